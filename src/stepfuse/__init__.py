@@ -1,0 +1,14 @@
+"""stepfuse: run many optimizer steps inside one compiled call.
+
+The backends live in submodules so that importing the package needs none of the
+frameworks: ``stepfuse.jax`` (JAX + optax), ``stepfuse.tf`` (TensorFlow 2 / Keras)
+with ``stepfuse.tf.v1`` (TF1 graph mode, ``sess.run``), and ``stepfuse.torch``.
+"""
+
+from ._trace import NonFiniteError as NonFiniteError
+from ._trace import Stop as Stop
+from ._trace import Trace as Trace
+
+__version__ = "0.1.0"
+
+__all__ = ["NonFiniteError", "Stop", "Trace", "__version__"]

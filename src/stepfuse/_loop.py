@@ -1,0 +1,101 @@
+"""The loop semantics every backend shares, written once as the stepwise reference.
+
+A backend's stepwise mode supplies two functions and this module runs them:
+
+* ``propose()`` evaluates the loss and gradient at the current parameters and
+  computes the update *without* applying it; it returns ``(loss, finite, token)``
+  where ``finite`` says whether the loss, the gradients and the proposed parameters
+  and optimizer state are all finite;
+* ``commit(token)`` applies the proposed update.
+
+The fused loops of the backends implement exactly this order of events, and the
+tests hold them to it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Tuple
+
+import numpy as np
+
+from ._options import Options
+from ._trace import NonFiniteError, Stop, Trace, host_trace
+
+__all__ = ["run_stepwise", "finish", "Notifier"]
+
+
+def run_stepwise(
+    propose: Callable[[], Tuple[float, bool, Any]],
+    commit: Callable[[Any], None],
+    n: int,
+    opts: Options,
+    start_step: int,
+    notify: Callable[[int, float], None] | None = None,
+) -> Trace:
+    """Run ``n`` single steps with the shared semantics; returns the host `Trace`."""
+    losses = []
+    applied, stop, prev = 0, Stop.STEPS, math.nan
+    for i in range(n):
+        loss, finite, token = propose()
+        loss = float(loss)
+        if i % opts.record_every == 0:
+            losses.append(loss)
+        if not finite:
+            stop = Stop.NONFINITE
+            break
+        commit(token)
+        applied += 1
+        if notify is not None and (start_step + applied) % opts.every == 0:
+            notify(start_step + applied, loss)
+        if opts.tol is not None and i > 0 and abs(loss - prev) <= opts.tol:
+            stop = Stop.TOL
+            break
+        prev = loss
+    return host_trace(np.asarray(losses, dtype=np.float64), applied, stop, opts.record_every)
+
+
+def finish(trace: Trace, opts: Options, start_step: int) -> Trace:
+    """Apply ``on_nonfinite="raise"`` once a call has returned with a consistent state."""
+    if opts.on_nonfinite == "raise" and trace.stop == Stop.NONFINITE:
+        raise NonFiniteError(start_step + int(trace.steps), trace)
+    return trace
+
+
+class Notifier:
+    """The host side of in-loop notifications: the user's callback and/or a progress bar.
+
+    ``notifier(step, loss)`` is what a backend calls from inside its loop. Use as a
+    context manager around one call so the progress bar is closed whatever happens.
+    """
+
+    def __init__(self, opts: Options, start_step: int, n: int, label: str = "stepfuse"):
+        self.callback = opts.callback
+        self.start, self.n = start_step, n
+        self._bar = None
+        if opts.progress:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress,
+                                       TextColumn, TimeRemainingColumn)
+
+            self._bar = Progress(
+                TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]:.4g}"), TimeRemainingColumn(),
+                transient=False,
+            )
+            self._task = self._bar.add_task("fit", total=n, loss=math.nan)
+
+    def __enter__(self) -> "Notifier":
+        if self._bar is not None:
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def __call__(self, step, loss) -> None:
+        step, loss = int(step), float(loss)
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step - self.start, loss=loss)
+        if self.callback is not None:
+            self.callback(step, loss)

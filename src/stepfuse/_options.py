@@ -1,0 +1,147 @@
+"""The options every backend's ``fuse`` shares, validated and documented in one place.
+
+Every check runs before anything is traced, compiled or updated, and every error
+names the argument, the value received and how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any, Callable, Optional
+
+__all__ = ["Options", "check_options", "check_call_steps", "OPTIONS_DOC"]
+
+OPTIONS_DOC = """\
+    steps: updates per call, an ``int >= 1``; a call may pass ``steps=n`` to run
+      ``n`` updates with the same compiled program.
+    tol: stop early inside the loop once ``abs(loss[i] - loss[i-1]) <= tol``
+      (consecutive losses of one call); ``None`` (default) never stops early.
+    record_every: keep every k-th loss in the trace (memory ``O(steps / k)``).
+    callback: ``callback(step, loss)`` called on the host from *inside* the fused loop
+      after every ``every``-th update (``step`` counts updates since ``init``, ``loss``
+      is the loss before that update). An exception it raises reaches the caller.
+    every: how often ``callback`` (or the progress bar) fires; default about 100
+      times per call of ``steps``.
+    progress: show a progress bar for each call, updated from inside the loop.
+    on_nonfinite: ``"stop"`` (default) ends the call with ``Stop.NONFINITE``;
+      ``"raise"`` also raises `stepfuse.NonFiniteError` with the step number. Either
+      way the refused update is not applied.
+    mode: ``"fused"`` (default) runs the steps in one compiled call; ``"stepwise"``
+      runs the identical semantics as a plain Python loop of single steps (the
+      reference the fused mode is tested against, and handy for debugging)."""
+
+
+def _fail(exc, name: str, value: Any, want: str, fix: str):
+    raise exc(f"`{name}` must be {want}; got {value!r} ({type(value).__name__}). {fix}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_int(value: Any, name: str, fix: str, *, minimum: int = 1) -> int:
+    """``value`` as a Python int ``>= minimum``, or a TypeError/ValueError naming ``name``."""
+    if not _is_int(value):
+        _fail(TypeError, name, value, f"an int >= {minimum}", fix)
+    if value < minimum:
+        _fail(ValueError, name, value, f"an int >= {minimum}", fix)
+    return int(value)
+
+
+def check_steps(value: Any, name: str = "steps") -> int:
+    return check_int(value, name, f"Pass the number of optimizer updates per call, e.g. {name}=100.")
+
+
+def check_tol(value: Any) -> Optional[float]:
+    if value is None:
+        return None
+    fix = "Pass a loss difference >= 0 such as tol=1e-6, or tol=None to never stop early."
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        _fail(TypeError, "tol", value, "a float >= 0 or None", fix)
+    if not value >= 0 or math.isnan(value):
+        _fail(ValueError, "tol", value, "a float >= 0 or None", fix)
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The validated options shared by every backend (see `OPTIONS_DOC`)."""
+
+    steps: int
+    tol: Optional[float] = None
+    record_every: int = 1
+    callback: Optional[Callable[[int, float], Any]] = None
+    every: Optional[int] = None
+    progress: bool = False
+    on_nonfinite: str = "stop"
+    mode: str = "fused"
+
+    @property
+    def capacity(self) -> int:
+        """Recorded-loss slots a call of up to ``steps`` updates needs.
+
+        A call evaluates at most ``steps`` losses (a refused non-finite update is one
+        of the ``steps`` iterations), so this is ``ceil(steps / record_every)``.
+        """
+        return -(-self.steps // self.record_every)
+
+    @property
+    def notify(self) -> bool:
+        """Whether the loop has to reach the host from inside (callback or progress)."""
+        return self.callback is not None or self.progress
+
+
+def check_options(
+    steps: Any,
+    tol: Any = None,
+    record_every: Any = 1,
+    callback: Any = None,
+    every: Any = None,
+    progress: Any = False,
+    on_nonfinite: Any = "stop",
+    mode: Any = "fused",
+    modes: tuple = ("fused", "stepwise"),
+) -> Options:
+    """Validate the shared options of ``fuse``; raises before anything is built."""
+    steps = check_steps(steps)
+    tol = check_tol(tol)
+    record_every = check_int(
+        record_every, "record_every", "Pass 1 to keep every loss, or k to keep every k-th one."
+    )
+    if callback is not None and not callable(callback):
+        _fail(TypeError, "callback", callback, "callable as callback(step, loss) or None",
+              "Pass a function, e.g. callback=lambda step, loss: print(step, loss).")
+    if not isinstance(progress, bool):
+        _fail(TypeError, "progress", progress, "True or False", "Pass progress=True for a progress bar.")
+    if every is not None:
+        every = check_int(every, "every", "Pass how many updates between callbacks, e.g. every=100.")
+        if callback is None and not progress:
+            _fail(ValueError, "every", every, "used with `callback` or `progress=True`",
+                  "Pass callback=... or progress=True, or drop `every`.")
+    elif callback is not None or progress:
+        every = max(1, steps // 100)
+    if on_nonfinite not in ("stop", "raise"):
+        _fail(ValueError, "on_nonfinite", on_nonfinite, '"stop" or "raise"',
+              'Pass on_nonfinite="stop" to end the call quietly or "raise" to get an error.')
+    if mode not in modes:
+        _fail(ValueError, "mode", mode, " or ".join(repr(m) for m in modes),
+              'Use mode="fused" for the compiled loop or mode="stepwise" for the reference loop.')
+    return Options(steps, tol, record_every, callback, every, progress, on_nonfinite, mode)
+
+
+def check_call_steps(value: Any, opts: Options, *, capped: bool) -> int:
+    """The ``steps=`` of one call: ``None`` means ``opts.steps``.
+
+    ``capped`` backends (those whose trace buffer is sized when the program is built)
+    accept at most ``opts.steps``.
+    """
+    if value is None:
+        return opts.steps
+    n = check_steps(value)
+    if capped and n > opts.steps:
+        _fail(ValueError, "steps", value, f"at most {opts.steps} (the `steps` given to fuse)",
+              f"Build with fuse(..., steps={n}) (or more) to run longer calls; "
+              "any smaller `steps` reuses the same program.")
+    return n

@@ -1,0 +1,112 @@
+"""The shared core: option checks, Trace, Stop, the stepwise driver."""
+
+import math
+
+import numpy as np
+import pytest
+
+import stepfuse
+from stepfuse import Stop, Trace
+from stepfuse._loop import run_stepwise
+from stepfuse._options import check_call_steps, check_options
+from stepfuse._trace import host_trace
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "3", True, None])
+def test_steps_rejected_with_name_value_and_fix(bad):
+    with pytest.raises((TypeError, ValueError)) as err:
+        check_options(steps=bad)
+    msg = str(err.value)
+    assert "`steps`" in msg and repr(bad) in msg and "e.g. steps=" in msg
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"record_every": 0}, "record_every"),
+        ({"record_every": 1.5}, "record_every"),
+        ({"tol": -1e-3}, "tol"),
+        ({"tol": float("nan")}, "tol"),
+        ({"tol": "1e-3"}, "tol"),
+        ({"callback": 3}, "callback"),
+        ({"every": 10}, "every"),
+        ({"callback": print, "every": 0}, "every"),
+        ({"on_nonfinite": "ignore"}, "on_nonfinite"),
+        ({"mode": "fast"}, "mode"),
+        ({"progress": 1}, "progress"),
+    ],
+)
+def test_option_rejected_names_the_argument(kwargs, name):
+    with pytest.raises((TypeError, ValueError), match=f"`{name}`"):
+        check_options(steps=3, **kwargs)
+
+
+def test_call_steps_capped_backend_rejects_more_than_built():
+    opts = check_options(steps=5)
+    assert check_call_steps(None, opts, capped=True) == 5
+    assert check_call_steps(np.int64(2), opts, capped=True) == 2
+    with pytest.raises(ValueError, match="fuse\\(..., steps=6\\)"):
+        check_call_steps(6, opts, capped=True)
+    assert check_call_steps(6, opts, capped=False) == 6
+
+
+def test_every_defaults_to_about_100_notifications_per_call():
+    assert check_options(steps=10_000, callback=print).every == 100
+    assert check_options(steps=10, progress=True).every == 1
+
+
+def test_stop_is_an_int_enum_with_messages():
+    assert Stop.NONFINITE == 2 and Stop(1) is Stop.TOL
+    assert "tol" in Stop.TOL.message
+    assert stepfuse.Stop is Stop and stepfuse.Trace is Trace
+
+
+def test_host_trace_keeps_the_refused_loss_after_nonfinite():
+    t = host_trace(np.arange(10.0), steps=4, stop=Stop.NONFINITE, record_every=1)
+    assert t.steps == 4 and t.stop is Stop.NONFINITE and list(t.loss) == [0, 1, 2, 3, 4]
+    t = host_trace(np.arange(10.0), steps=7, stop=Stop.STEPS, record_every=3)
+    assert list(t.loss) == [0, 1, 2] and list(t.index) == [0, 3, 6]
+
+
+class _Quadratic:
+    """x <- x - lr * 2x on f(x) = x^2, as a propose/commit pair."""
+
+    def __init__(self, x, lr):
+        self.x, self.lr = x, lr
+
+    def propose(self):
+        loss = self.x * self.x
+        new = self.x - self.lr * 2 * self.x
+        return loss, math.isfinite(loss) and math.isfinite(new), new
+
+    def commit(self, new):
+        self.x = new
+
+
+def test_stepwise_driver_runs_all_steps_and_records_before_each_update():
+    q = _Quadratic(1.0, 0.25)
+    t = run_stepwise(q.propose, q.commit, 4, check_options(steps=4), 0)
+    assert t.stop is Stop.STEPS and t.steps == 4
+    np.testing.assert_allclose(t.loss, [1.0, 0.25, 0.0625, 0.015625])
+    assert q.x == 0.5**4
+
+
+def test_stepwise_driver_tol_applies_the_converged_update_then_stops():
+    q = _Quadratic(1.0, 0.5)  # jumps to 0 at once: losses 1, 0, 0, ...
+    t = run_stepwise(q.propose, q.commit, 10, check_options(steps=10, tol=0.0), 0)
+    assert t.stop is Stop.TOL and t.steps == 3 and len(t.loss) == 3
+
+
+def test_stepwise_driver_nonfinite_keeps_last_finite_state():
+    q = _Quadratic(1.0, -1e154)  # grows until x*x overflows
+    t = run_stepwise(q.propose, q.commit, 10, check_options(steps=10), 0)
+    assert t.stop is Stop.NONFINITE and t.steps == 1 and math.isfinite(q.x)
+    assert len(t.loss) == t.steps + 1 and math.isinf(t.loss[-1])
+
+
+def test_stepwise_driver_notifies_on_global_step_multiples():
+    seen = []
+    q = _Quadratic(1.0, 0.1)
+    opts = check_options(steps=10, callback=lambda s, l: seen.append(s), every=4)
+    run_stepwise(q.propose, q.commit, 10, opts, 2, notify=lambda s, l: seen.append(s))
+    assert seen == [4, 8, 12]
