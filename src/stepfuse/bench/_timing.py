@@ -1,0 +1,102 @@
+"""Timing of contenders run side by side in one process, and their report.
+
+A contender is a function ``run(n)`` that performs ``n`` optimizer steps and returns
+only when they are done (it blocks on the result). The harness warms it up (that
+first call's time is reported as the build/compile time), then takes the best of a few
+repeats, interleaving the contenders so that a noisy neighbour hurts them alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import time
+from typing import Callable, Dict, List, Optional
+
+__all__ = ["Result", "time_call", "measure", "print_table", "write_json"]
+
+
+@dataclasses.dataclass
+class Result:
+    backend: str
+    problem: str
+    contender: str
+    steps: int
+    us_per_step: float
+    build_s: float
+    ratio: Optional[float] = None  # us_per_step / stepfuse's us_per_step on the same row group
+    note: str = ""
+
+
+def time_call(run: Callable[[int], object], n: int, repeats: int = 5, min_time: float = 0.2) -> float:
+    """Best seconds per step of ``run(n)`` over ``repeats`` timed calls (after one warm-up)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run(n)
+        dt = time.perf_counter() - t0
+        best = min(best, dt)
+        if dt > 10 * min_time and _ >= 1:
+            break
+    return best / n
+
+
+def measure(
+    contenders: Dict[str, Callable[[], Callable[[int], object]]],
+    n: int,
+    *,
+    backend: str,
+    problem: str,
+    reference: str = "stepfuse",
+    repeats: int = 5,
+    steps_for: Optional[Dict[str, int]] = None,
+) -> List[Result]:
+    """Build, warm up and time each contender on ``n`` steps; ratios are to ``reference``.
+
+    ``contenders`` maps a name to a *builder*: calling it builds the contender (its
+    time is part of ``build_s``) and returns ``run(n)``. ``steps_for`` lets a slow
+    contender be timed on fewer steps (its per-step time is what is compared).
+    """
+    runs, results = {}, {}
+    for name, build in contenders.items():
+        m = (steps_for or {}).get(name, n)
+        t0 = time.perf_counter()
+        run = build()
+        run(m)  # first call: tracing / compiling / graph building
+        results[name] = Result(backend, problem, name, m, float("inf"), time.perf_counter() - t0)
+        runs[name] = (run, m)
+    for _ in range(repeats):  # interleave the contenders
+        for name, (run, m) in runs.items():
+            results[name].us_per_step = min(results[name].us_per_step, 1e6 * time_call(run, m, repeats=1))
+    ref = results.get(reference)
+    for r in results.values():
+        if ref is not None:
+            r.ratio = r.us_per_step / ref.us_per_step
+    return list(results.values())
+
+
+def print_table(results: List[Result], title: str = "stepfuse benchmark") -> None:
+    """A terminal table (rich) of the results, ratio = contender time / stepfuse time."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("backend", "problem", "contender", "N", "us/step", "x stepfuse", "build s"):
+        table.add_column(col, justify="right" if col in ("N", "us/step", "x stepfuse", "build s") else "left")
+    for r in results:
+        table.add_row(r.backend, r.problem, r.contender, str(r.steps), f"{r.us_per_step:.2f}",
+                      "" if r.ratio is None else f"{r.ratio:.2f}", f"{r.build_s:.2f}")
+    Console().print(table)
+
+
+def write_json(results: List[Result], path: str, **meta) -> None:
+    payload = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "python": platform.python_version()},
+        "date": time.strftime("%Y-%m-%d"),
+        **meta,
+        "results": [dataclasses.asdict(r) for r in results],
+    }
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
