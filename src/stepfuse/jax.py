@@ -1,0 +1,339 @@
+"""JAX backend: N optax steps inside one compiled call.
+
+``fuse(loss_fn, optimizer, steps=...)`` returns a `Fit`: ``fit.init(params)`` makes a
+`FitState` and ``fit(state, *batch)`` runs the steps in one ``jax.jit`` call, a
+``lax.while_loop`` on the device that recomputes the gradient at every step, carries
+the optimizer state, records the losses and stops early on ``tol`` or a non-finite
+update. ``fit`` is a pure function of ``(state, *batch)``: it composes with
+``jax.jit``, ``jax.vmap`` (many models, one call) and ``jax.grad``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ._loop import Notifier, finish, run_stepwise
+from ._options import OPTIONS_DOC, check_call_steps, check_options
+from ._trace import Stop, Trace, host_trace
+
+__all__ = ["fuse", "Fit", "FitState"]
+
+_RUNNING = -1
+
+jax.tree_util.register_pytree_node(
+    Trace,
+    lambda t: ((t.loss, t.steps, t.stop), t.record_every),
+    lambda k, children: Trace(*children, record_every=k),
+)
+
+
+class FitState(NamedTuple):
+    """Everything a fit carries between calls: a pytree, so it vmaps, saves and restores.
+
+    Attributes:
+      params: the parameters (any pytree of float arrays).
+      opt_state: the optax optimizer state.
+      step: int32 scalar, the number of updates applied since ``init``.
+    """
+
+    params: Any
+    opt_state: Any
+    step: jax.Array
+
+
+def _leaves_with_paths(tree):
+    return jax.tree_util.tree_flatten_with_path(tree)[0]
+
+
+def _check_params(params: Any, name: str = "params") -> None:
+    leaves = _leaves_with_paths(params)
+    if not leaves:
+        raise ValueError(
+            f"`{name}` must hold at least one float array; got {params!r} (no array leaves). "
+            "Pass the model's parameters, e.g. a dict of jnp arrays."
+        )
+    for path, leaf in leaves:
+        dtype = getattr(leaf, "dtype", None) or np.asarray(leaf).dtype
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(
+                f"`{name}` must hold only floating-point arrays; got dtype {dtype} at "
+                f"{name}{jax.tree_util.keystr(path)} (value {leaf!r}). Cast it, e.g. "
+                "jnp.asarray(x, jnp.float32), or close over non-trainable values in loss_fn."
+            )
+
+
+def _all_finite(tree) -> jax.Array:
+    """One reduction over every float leaf: ``x * 0`` is 0 for finite ``x`` and NaN otherwise."""
+    leaves = [jnp.ravel(x) * 0 for x in jax.tree_util.tree_leaves(tree)
+              if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    if not leaves:
+        return jnp.bool_(True)
+    dtype = jnp.result_type(*leaves)
+    return jnp.isfinite(jnp.sum(jnp.concatenate([x.astype(dtype) for x in leaves])))
+
+
+def _select(pred, on_true, on_false):
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def _is_tracer(tree) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree))
+
+
+def _wants_reverse_mode(tree) -> bool:
+    """Whether ``tree`` is being differentiated (``jax.grad`` / ``jax.jvp`` tracers)."""
+    return any(type(x).__name__ in ("JVPTracer", "LinearizeTracer")
+               for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.core.Tracer))
+
+
+class _Loss:
+    """``loss_fn`` traced once into a jaxpr whose output is checked before anything runs."""
+
+    def __init__(self, loss_fn, has_aux, params, batch):
+        closed, shape = jax.make_jaxpr(loss_fn, return_shape=True)(params, *batch)
+        out = shape[0] if has_aux else shape
+        if has_aux and not (isinstance(shape, (tuple, list)) and len(shape) == 2):
+            raise TypeError(
+                f"`loss_fn` must return (loss, aux) with has_aux=True; got {shape!r}. "
+                "Return a pair, or build with has_aux=False."
+            )
+        if not isinstance(out, jax.ShapeDtypeStruct) or out.shape != () or not jnp.issubdtype(
+            out.dtype, jnp.floating
+        ):
+            desc = f"shape {out.shape}, dtype {out.dtype}" if hasattr(out, "shape") else repr(out)
+            raise TypeError(
+                f"`loss_fn` must return a floating-point scalar{' (with aux)' if has_aux else ''}; "
+                f"got {desc}. Reduce it to a scalar (e.g. jnp.mean) and make it float "
+                "(e.g. .astype(jnp.float32))."
+            )
+        self.dtype = out.dtype
+        self.aux_shape = shape[1] if has_aux else None
+        _, self._in_tree = jax.tree_util.tree_flatten((params, *batch))
+        self._out_tree = jax.tree_util.tree_structure(shape)
+        self._fun = jax.extend.core.jaxpr_as_fun(closed)
+        self.has_aux = has_aux
+
+    def __call__(self, params, *batch):
+        flat = jax.tree_util.tree_leaves((params, *batch))
+        out = jax.tree_util.tree_unflatten(self._out_tree, self._fun(*flat))
+        return out if self.has_aux else (out, None)
+
+
+class Fit:
+    """A fused fit built by `fuse`: ``init(params)`` then ``state, trace = fit(state, *batch)``."""
+
+    def __init__(self, loss_fn, optimizer, opts, has_aux, differentiable):
+        self.loss_fn, self.optimizer, self.opts = loss_fn, optimizer, opts
+        self.has_aux, self.differentiable = has_aux, differentiable
+        self._notifier: Optional[Notifier] = None
+        self._callback_error: Optional[BaseException] = None
+        self._fused = jax.jit(self._run, static_argnames=("scan_steps",))
+        self._step = jax.jit(self._propose)
+
+    # -- public ---------------------------------------------------------------------
+    def init(self, params) -> FitState:
+        """The starting `FitState` for ``params`` (the optimizer state from ``optimizer.init``)."""
+        _check_params(params)
+        params = jax.tree_util.tree_map(jnp.asarray, params)
+        return FitState(params, self.optimizer.init(params), jnp.zeros((), jnp.int32))
+
+    def __call__(self, state: FitState, *batch, steps: Optional[int] = None):
+        """Run ``steps`` updates (default: the ``steps`` given to `fuse`) in one call.
+
+        Args:
+          state: a `FitState` from ``init`` or from a previous call.
+          *batch: the arguments after ``params`` of ``loss_fn``; passed once per call.
+          steps: updates for this call; any value up to the built ``steps`` reuses the
+            compiled program.
+
+        Returns:
+          ``(state, trace)``: the new `FitState` and a `stepfuse.Trace`. With
+          ``has_aux=True``, ``(state, trace, aux)`` where ``aux`` is that of the last
+          evaluated step.
+        """
+        if not isinstance(state, FitState):
+            raise TypeError(
+                f"`state` must be a stepfuse.jax.FitState; got {type(state).__name__}. "
+                "Make one with fit.init(params) and pass the state each call returns."
+            )
+        n = check_call_steps(steps, self.opts, capped=self.opts.mode == "fused")
+        if self.opts.mode == "stepwise":
+            return self._run_stepwise(state, batch, n)
+        traced = _is_tracer((state, batch))
+        scan_steps = n if (self.differentiable or _wants_reverse_mode((state, batch))) else None
+        notify = self.opts.notify and not traced
+        self._callback_error = None
+        with self._notify(int(state.step) if notify else None, n):
+            state, (buf, applied, stop), aux = self._fused(state, batch, np.int32(n), scan_steps=scan_steps)
+            if notify:
+                jax.block_until_ready(buf)
+        if self._callback_error is not None:
+            raise self._callback_error
+        k = self.opts.record_every
+        if traced or np.ndim(buf) != 1:
+            trace = Trace(buf[..., : self.opts.capacity], applied, stop, k)
+        else:
+            trace = host_trace(np.asarray(buf), applied, stop, k)
+            if self.opts.on_nonfinite == "raise":
+                trace = finish(trace, self.opts, int(state.step) - trace.steps)
+        return (state, trace, aux) if self.has_aux else (state, trace)
+
+    # -- the fused program ----------------------------------------------------------
+    def _notify(self, start, n):
+        if not self.opts.notify or start is None:
+            self._notifier = None
+            return _Null()
+        self._notifier = Notifier(self.opts, start, n, label="stepfuse.jax")
+        return self._notifier
+
+    def _dispatch(self, step, loss):
+        if self._notifier is None or self._callback_error is not None:
+            return
+        try:
+            for s, l in zip(np.ravel(step), np.ravel(loss)):
+                self._notifier(s, l)
+        except BaseException as e:  # re-raised on the host once the call returns
+            self._callback_error = e
+
+    def _propose(self, params, opt_state, batch, loss: Optional[_Loss] = None):
+        loss = loss or _Loss(self.loss_fn, self.has_aux, params, batch)
+        (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(params, *batch)
+        updates, new_opt = self.optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        new_params = jax.tree_util.tree_map(lambda n, p: n.astype(p.dtype), new_params, params)
+        finite = _all_finite((value, grads, new_params, new_opt))
+        return value, aux, new_params, new_opt, finite
+
+    def _run(self, state: FitState, batch, n, *, scan_steps=None):
+        params, opt_state, step0 = state
+        opts, k = self.opts, self.opts.record_every
+        loss = _Loss(self.loss_fn, self.has_aux, params, batch)
+        cap = opts.capacity
+        aux0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), loss.aux_shape)
+        carry = (jnp.int32(0), params, opt_state, jnp.full((cap + 1,), jnp.nan, loss.dtype),
+                 jnp.array(jnp.nan, loss.dtype), jnp.int32(_RUNNING), jnp.int32(0), aux0)
+
+        def body(c):
+            i, params, opt_state, buf, prev, _, applied, _ = c
+            value, aux, new_params, new_opt, finite = self._propose(params, opt_state, batch, loss)
+            buf = jax.lax.dynamic_update_index_in_dim(buf, value, jnp.where(i % k == 0, i // k, cap), 0)
+            params, opt_state = _select(finite, (new_params, new_opt), (params, opt_state))
+            applied = applied + finite.astype(jnp.int32)
+            if opts.notify:
+                step = step0 + applied
+                jax.lax.cond(finite & (step % opts.every == 0),
+                             lambda: jax.debug.callback(self._dispatch, step, value),
+                             lambda: None)
+            stop = jnp.where(finite, _RUNNING, Stop.NONFINITE)
+            if opts.tol is not None:
+                converged = finite & (i > 0) & (jnp.abs(value - prev) <= opts.tol)
+                stop = jnp.where(converged, Stop.TOL, stop)
+            return i + 1, params, opt_state, buf, value, jnp.int32(stop), applied, aux
+
+        def running(c):
+            return (c[0] < n) & (c[5] == _RUNNING)
+
+        if scan_steps is None:
+            out = jax.lax.while_loop(running, body, carry)
+        else:  # reverse-differentiable: a scan of fixed length, finished steps masked by cond
+            out = jax.lax.scan(lambda c, _: (jax.lax.cond(running(c), body, lambda c: c, c), None),
+                               carry, None, length=scan_steps)[0]
+        _, params, opt_state, buf, _, stop, applied, aux = out
+        stop = jnp.where(stop == _RUNNING, Stop.STEPS, stop)
+        return FitState(params, opt_state, step0 + applied), (buf, applied, stop), aux
+
+    # -- the stepwise reference -------------------------------------------------------
+    def _run_stepwise(self, state: FitState, batch, n):
+        held = {"params": state.params, "opt": state.opt_state, "aux": None}
+
+        def propose():
+            value, aux, new_params, new_opt, finite = self._step(held["params"], held["opt"], batch)
+            held["aux"] = aux
+            return float(value), bool(finite), (new_params, new_opt)
+
+        def commit(token):
+            held["params"], held["opt"] = token
+
+        start = int(state.step)
+        with Notifier(self.opts, start, n, label="stepfuse.jax") if self.opts.notify else _Null() as note:
+            trace = run_stepwise(propose, commit, n, self.opts, start, note if self.opts.notify else None)
+        trace = Trace(trace.loss.astype(np.float32), trace.steps, trace.stop, trace.record_every)
+        new = FitState(held["params"], held["opt"], jnp.int32(start + trace.steps))
+        trace = finish(trace, self.opts, start)
+        return (new, trace, held["aux"]) if self.has_aux else (new, trace)
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None
+
+
+def fuse(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    *,
+    steps: int,
+    tol: Optional[float] = None,
+    record_every: int = 1,
+    has_aux: bool = False,
+    callback: Optional[Callable[[int, float], Any]] = None,
+    every: Optional[int] = None,
+    progress: bool = False,
+    on_nonfinite: str = "stop",
+    mode: str = "fused",
+    differentiable: bool = False,
+) -> Fit:
+    """Build a fused fit: ``steps`` optax updates of ``loss_fn`` in one compiled call.
+
+    Args:
+      loss_fn: ``loss_fn(params, *batch) -> scalar`` (or ``(scalar, aux)`` with
+        ``has_aux=True``); a pure JAX function.
+      optimizer: any ``optax.GradientTransformation`` (schedules, ``chain`` ...).
+    {options}
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; the call returns the aux of the
+        last evaluated step as a third value.
+      differentiable: run the loop as a ``lax.scan`` of exactly ``steps`` iterations
+        (finished ones masked) so that ``jax.grad`` can go through it in reverse mode;
+        each distinct ``steps`` compiles once. Chosen automatically when ``fit`` is
+        called directly under ``jax.grad``; set it when ``fit`` sits inside a
+        ``jax.jit`` that is then differentiated.
+
+    Returns:
+      A `Fit`: ``state = fit.init(params)``; ``state, trace = fit(state, *batch)``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, stepfuse.jax as sf
+      >>> fit = sf.fuse(lambda w, x: jnp.sum((w - x) ** 2), optax.sgd(0.1), steps=50)
+      >>> state, trace = fit(fit.init(jnp.zeros(3)), jnp.ones(3))
+      >>> trace.steps, round(float(state.params[0]), 4)
+      (50, 1.0)
+    """
+    opts = check_options(steps, tol, record_every, callback, every, progress, on_nonfinite, mode)
+    if not callable(loss_fn):
+        raise TypeError(
+            f"`loss_fn` must be callable as loss_fn(params, *batch); got {loss_fn!r} "
+            f"({type(loss_fn).__name__}). Pass the function that computes the loss."
+        )
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(
+            f"`optimizer` must be an optax.GradientTransformation; got {optimizer!r} "
+            f"({type(optimizer).__module__}.{type(optimizer).__name__}). Pass e.g. optax.adam(1e-3); "
+            "for Keras or torch.optim optimizers use stepfuse.tf or stepfuse.torch."
+        )
+    for name, flag in (("has_aux", has_aux), ("differentiable", differentiable)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"`{name}` must be True or False; got {flag!r}. Pass a bool.")
+    return Fit(loss_fn, optimizer, opts, has_aux, differentiable)
+
+
+fuse.__doc__ = fuse.__doc__.replace("    {options}", OPTIONS_DOC)

@@ -1,0 +1,369 @@
+"""JAX backend: fused calls against optax's own stepwise loop (`optax.update` per step)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import stepfuse.jax as sf
+from stepfuse import NonFiniteError, Stop
+from stepfuse.problems import blobs, mlp_init, perceptron_init
+
+X, Y = blobs()
+RTOL, ATOL = 1e-6, 1e-7
+
+
+def perceptron_loss(params, x, y):
+    logits = x @ params["kernel"] + params["bias"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def mlp_loss(params, x, y):
+    h = x
+    for layer in params[:-1]:
+        h = jnp.tanh(h @ layer["kernel"] + layer["bias"])
+    logits = h @ params[-1]["kernel"] + params[-1]["bias"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+PROBLEMS = {
+    "perceptron": (perceptron_loss, perceptron_init),
+    "mlp": (mlp_loss, lambda: mlp_init((2, 16, 2))),
+}
+OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(0.05),
+    "sgd_momentum": lambda: optax.sgd(0.05, momentum=0.9),
+    "sgd_nesterov": lambda: optax.sgd(0.05, momentum=0.9, nesterov=True),
+    "adam": lambda: optax.adam(0.01),
+    "adamw": lambda: optax.adamw(0.01, weight_decay=0.1),
+    "adam_cosine_schedule": lambda: optax.adam(optax.cosine_decay_schedule(0.02, 40)),
+    "sgd_exponential_schedule": lambda: optax.sgd(optax.exponential_decay(0.1, 5, 0.7)),
+}
+
+
+def optax_stepwise(loss_fn, optimizer, params, n, *batch):
+    """The reference: optax's own per-step loop, written the usual way."""
+    params = jax.tree_util.tree_map(jnp.asarray, params)
+    opt_state = optimizer.init(params)
+    step = jax.jit(lambda p, s: _one(loss_fn, optimizer, p, s, *batch))
+    losses = []
+    for _ in range(n):
+        loss, params, opt_state = step(params, opt_state)
+        losses.append(float(loss))
+    return params, opt_state, np.array(losses, np.float32)
+
+
+def _one(loss_fn, optimizer, params, opt_state, *batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return loss, optax.apply_updates(params, updates), opt_state
+
+
+def assert_trees_close(a, b, rtol=RTOL, atol=ATOL):
+    jax.tree_util.tree_map(lambda u, v: np.testing.assert_allclose(u, v, rtol=rtol, atol=atol), a, b)
+
+
+@pytest.mark.parametrize("opt_name", OPTIMIZERS)
+@pytest.mark.parametrize("problem", PROBLEMS)
+def test_fused_calls_equal_optax_stepwise_loop(problem, opt_name):
+    loss_fn, init = PROBLEMS[problem]
+    calls = [5, 1, 7, 5, 2]  # several calls, different steps, one program
+    fit = sf.fuse(loss_fn, OPTIMIZERS[opt_name](), steps=7)
+    state, losses = fit.init(init()), []
+    for n in calls:
+        state, trace = fit(state, X, Y, steps=n)
+        assert trace.steps == n and trace.stop is Stop.STEPS and len(trace.loss) == n
+        losses.extend(trace.loss)
+    params, opt_state, ref_losses = optax_stepwise(loss_fn, OPTIMIZERS[opt_name](), init(), sum(calls), X, Y)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=ATOL)
+    assert_trees_close(state.params, params)
+    assert_trees_close(state.opt_state, opt_state)
+    assert int(state.step) == sum(calls)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adam"])
+def test_stepwise_mode_equals_fused_mode(opt_name):
+    runs = []
+    for mode in ("fused", "stepwise"):
+        fit = sf.fuse(mlp_loss, OPTIMIZERS[opt_name](), steps=6, mode=mode, record_every=2)
+        state = fit.init(mlp_init((2, 16, 2)))
+        traces = []
+        for n in (6, 3):
+            state, trace = fit(state, X, Y, steps=n)
+            traces.append(trace)
+        runs.append((state, traces))
+    (s1, t1), (s2, t2) = runs
+    assert_trees_close(s1.params, s2.params)
+    for a, b in zip(t1, t2):
+        assert (a.steps, a.stop) == (b.steps, b.stop)
+        np.testing.assert_allclose(a.loss, b.loss, rtol=RTOL, atol=ATOL)
+
+
+def test_seed_table_row_k_of_3_steps_equals_row_3k_of_1_step():
+    tables = {}
+    for n in (1, 3):
+        fit = sf.fuse(perceptron_loss, optax.sgd(0.01), steps=n)
+        state, rows = fit.init(perceptron_init()), []
+        for _ in range(30 if n == 1 else 10):
+            state, trace = fit(state, X, Y)
+            rows.append(trace.loss[0])  # the loss before this call, as the seed prints it
+        tables[n] = np.array(rows)
+    assert tables[1][0] == pytest.approx(math.log(2), abs=1e-6)
+    np.testing.assert_allclose(tables[3], tables[1][::3], rtol=1e-6)
+    assert not np.allclose(tables[3], tables[1][:10])  # the 3-step table really moves faster
+
+
+def test_gradient_is_recomputed_at_every_step():
+    n, opt = 20, optax.sgd(0.5)
+    fit = sf.fuse(perceptron_loss, opt, steps=n)
+    state, _ = fit(fit.init(perceptron_init()), X, Y)
+    # The seed's worry: applying the first gradient n times.
+    params = jax.tree_util.tree_map(jnp.asarray, perceptron_init())
+    g0 = jax.grad(perceptron_loss)(params, X, Y)
+    stale = jax.tree_util.tree_map(lambda p, g: p - 0.5 * n * g, params, g0)
+    ref, _, _ = optax_stepwise(perceptron_loss, opt, perceptron_init(), n, X, Y)
+    assert_trees_close(state.params, ref)
+    assert not np.allclose(state.params["kernel"], stale["kernel"], rtol=1e-3)
+
+
+def test_one_trace_across_steps_and_batch_values():
+    traces = []
+
+    def counting_loss(params, x, y):
+        traces.append(1)
+        return perceptron_loss(params, x, y)
+
+    fit = sf.fuse(counting_loss, optax.adam(0.01), steps=50)
+    state = fit.init(perceptron_init())
+    for n, seed in [(50, 0), (1, 1), (17, 2), (50, 3), (3, 4)]:
+        x, y = blobs(seed=seed)
+        state, trace = fit(state, x, y, steps=n)
+        assert trace.steps == n
+    assert len(traces) == 1
+
+
+def test_state_keeps_its_structure_shapes_and_dtypes():
+    fit = sf.fuse(mlp_loss, optax.adamw(0.01), steps=4)
+    state0 = fit.init(mlp_init((2, 16, 2)))
+    state1, _ = fit(state0, X, Y)
+    a, b = jax.tree_util.tree_structure(state0), jax.tree_util.tree_structure(state1)
+    assert a == b
+    for u, v in zip(jax.tree_util.tree_leaves(state0), jax.tree_util.tree_leaves(state1)):
+        assert (u.shape, u.dtype) == (v.shape, v.dtype)
+
+
+def quadratic(w, target):
+    return jnp.sum((w - target) ** 2)
+
+
+def test_tol_stops_early_inside_the_loop():
+    fit = sf.fuse(quadratic, optax.sgd(0.1), steps=10_000, tol=1e-9)
+    state, trace = fit(fit.init(jnp.zeros(3)), jnp.ones(3))
+    ref = sf.fuse(quadratic, optax.sgd(0.1), steps=10_000, tol=1e-9, mode="stepwise")
+    rstate, rtrace = ref(ref.init(jnp.zeros(3)), jnp.ones(3))
+    assert trace.stop is Stop.TOL and 10 < trace.steps < 200
+    assert trace.steps == rtrace.steps and int(state.step) == trace.steps
+    diffs = np.abs(np.diff(trace.loss))
+    assert diffs[-1] <= 1e-9 and np.all(diffs[:-1] > 1e-9)
+    np.testing.assert_allclose(state.params, rstate.params, rtol=RTOL)
+
+
+def diverging_loss(w, x, t):
+    return jnp.mean((x @ w - t) ** 2)
+
+
+def first_nonfinite_update(loss_fn, optimizer, params, batch, limit):
+    """The stepwise oracle: k = the number of updates applied before a non-finite one."""
+    opt_state = optimizer.init(params)
+    for k in range(limit):
+        loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+        updates, new_opt = optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        leaves = jax.tree_util.tree_leaves((loss, grads, new_params, new_opt))
+        if not all(bool(jnp.all(jnp.isfinite(v))) for v in leaves):
+            return k, params, opt_state
+        params, opt_state = new_params, new_opt
+    raise AssertionError("did not diverge")
+
+
+@pytest.mark.parametrize("opt", [optax.sgd(3.0), optax.sgd(1.0, momentum=0.9)], ids=["sgd", "momentum"])
+def test_nonfinite_stops_before_the_bad_update_at_the_oracles_step(opt):
+    x = jnp.asarray(X[:, :2])
+    batch = (x, jnp.asarray(Y, jnp.float32))
+    w0 = jnp.ones((2,))
+    k, ref_params, ref_opt = first_nonfinite_update(diverging_loss, opt, w0, batch, 500)
+    fit = sf.fuse(diverging_loss, opt, steps=500)
+    state, trace = fit(fit.init(w0), *batch)
+    assert trace.stop is Stop.NONFINITE and trace.steps == k and int(state.step) == k
+    assert len(trace.loss) == k + 1  # the refused point's loss is kept
+    np.testing.assert_allclose(state.params, ref_params, rtol=1e-5)
+    assert_trees_close(state.opt_state, ref_opt, rtol=1e-5)
+    assert all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree_util.tree_leaves(state))
+    # Split into calls, the same point is reached; and on_nonfinite="raise" names the step.
+    fit2 = sf.fuse(diverging_loss, opt, steps=7, on_nonfinite="raise")
+    state2 = fit2.init(w0)
+    with pytest.raises(NonFiniteError, match=f"step {k}") as err:
+        for _ in range(100):
+            state2, _ = fit2(state2, *batch)
+    assert err.value.step == k
+
+
+def test_vmap_over_8_initialisations_equals_8_separate_fits():
+    fit = sf.fuse(mlp_loss, optax.adam(0.01), steps=20)
+    inits = [mlp_init((2, 16, 2), seed=s) for s in range(8)]
+    batched = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *inits)
+    states, traces = jax.vmap(lambda p: fit(fit.init(p), X, Y))(batched)
+    assert traces.loss.shape == (8, 20)
+    for i, p in enumerate(inits):
+        state, trace = fit(fit.init(p), X, Y)
+        assert_trees_close(jax.tree_util.tree_map(lambda a: a[i], states.params), state.params, rtol=1e-5)
+        np.testing.assert_allclose(traces.loss[i], trace.loss, rtol=1e-5)
+        assert int(traces.steps[i]) == 20 and int(traces.stop[i]) == Stop.STEPS
+
+
+def test_jit_of_fit_equals_fit():
+    fit = sf.fuse(perceptron_loss, optax.adam(0.01), steps=10)
+    state = fit.init(perceptron_init())
+    s1, t1 = fit(state, X, Y)
+    s2, t2 = jax.jit(lambda s, x, y: fit(s, x, y))(state, X, Y)
+    assert_trees_close(s1.params, s2.params)
+    np.testing.assert_allclose(t1.loss, np.asarray(t2.loss)[: t1.steps], rtol=RTOL)
+
+
+def test_grad_through_fixed_steps_matches_finite_differences():
+    def final_loss(w0, target):
+        fit = sf.fuse(quadratic, optax.sgd(0.02, momentum=0.5), steps=5)
+        state, _ = fit(fit.init(w0), target)
+        return quadratic(state.params, target)
+
+    w0, target = jnp.array([0.3, -0.2, 0.5]), jnp.array([1.0, 2.0, -1.0])
+    g = jax.grad(final_loss)(w0, target)
+    eps, fd = 1e-2, []
+    for i in range(3):
+        e = jnp.zeros(3).at[i].set(eps)
+        fd.append((final_loss(w0 + e, target) - final_loss(w0 - e, target)) / (2 * eps))
+    np.testing.assert_allclose(g, fd, rtol=2e-3, atol=1e-5)
+    assert np.all(np.abs(g) > 1e-2)
+    # Also inside jax.jit with differentiable=True, and w.r.t. the batch.
+    fit = sf.fuse(quadratic, optax.sgd(0.02, momentum=0.5), steps=5, differentiable=True)
+
+    @jax.jit
+    def final_loss_jit(w0, target):
+        state, _ = fit(fit.init(w0), target)
+        return quadratic(state.params, target)
+
+    np.testing.assert_allclose(jax.grad(final_loss_jit)(w0, target), g, rtol=1e-5)
+    assert np.all(np.isfinite(jax.grad(final_loss_jit, argnums=1)(w0, target)))
+
+
+def test_has_aux_returns_the_aux_of_the_last_step():
+    def loss_with_aux(params, x, y):
+        loss = perceptron_loss(params, x, y)
+        return loss, {"loss_again": loss, "kernel_sum": params["kernel"].sum()}
+
+    fit = sf.fuse(loss_with_aux, optax.sgd(0.1), steps=4, has_aux=True)
+    state, trace, aux = fit(fit.init(perceptron_init()), X, Y)
+    assert float(aux["loss_again"]) == pytest.approx(trace.loss[-1], rel=1e-6)
+    ref = sf.fuse(loss_with_aux, optax.sgd(0.1), steps=4, has_aux=True, mode="stepwise")
+    _, _, raux = ref(ref.init(perceptron_init()), X, Y)
+    np.testing.assert_allclose(aux["kernel_sum"], raux["kernel_sum"], rtol=RTOL)
+
+
+def test_record_every_thins_the_trace():
+    full = sf.fuse(perceptron_loss, optax.sgd(0.1), steps=100)
+    thin = sf.fuse(perceptron_loss, optax.sgd(0.1), steps=100, record_every=7)
+    _, tf_ = full(full.init(perceptron_init()), X, Y)
+    _, tt = thin(thin.init(perceptron_init()), X, Y)
+    assert len(tt.loss) == 15 and list(tt.index[:3]) == [0, 7, 14]
+    np.testing.assert_allclose(tt.loss, tf_.loss[::7], rtol=RTOL)
+
+
+def test_callback_fires_from_inside_the_loop_at_global_steps():
+    seen = []
+    fit = sf.fuse(perceptron_loss, optax.sgd(0.1), steps=10, callback=lambda s, l: seen.append((s, l)), every=4)
+    state, t1 = fit(fit.init(perceptron_init()), X, Y)
+    state, t2 = fit(state, X, Y)
+    assert [s for s, _ in seen] == [4, 8, 12, 16, 20]
+    assert seen[0][1] == pytest.approx(t1.loss[3], rel=1e-6)  # the loss before update 4
+
+
+def test_callback_exception_reaches_the_caller():
+    def bad(step, loss):
+        raise RuntimeError(f"stop at {step}")
+
+    fit = sf.fuse(perceptron_loss, optax.sgd(0.1), steps=10, callback=bad, every=3)
+    state = fit.init(perceptron_init())
+    with pytest.raises(RuntimeError, match="stop at 3"):
+        fit(state, X, Y)
+    assert int(state.step) == 0  # the caller's state is untouched (pure)
+
+
+def test_progress_bar_runs_from_inside_the_loop(capsys):
+    fit = sf.fuse(perceptron_loss, optax.sgd(0.1), steps=200, progress=True, every=50)
+    _, trace = fit(fit.init(perceptron_init()), X, Y)
+    assert trace.steps == 200
+    assert "200/200" in capsys.readouterr().out
+
+
+# -- bad input: each case names the argument, the value and a fix, before anything runs --
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "3"])
+def test_bad_steps(bad):
+    with pytest.raises((TypeError, ValueError), match=r"`steps`.*" + repr(bad).replace(".", r"\.")):
+        sf.fuse(perceptron_loss, optax.sgd(0.1), steps=bad)
+    fit = sf.fuse(perceptron_loss, optax.sgd(0.1), steps=3)
+    with pytest.raises((TypeError, ValueError), match="`steps`"):
+        fit(fit.init(perceptron_init()), X, Y, steps=bad)
+
+
+def test_call_steps_above_the_built_capacity_says_how_to_fix():
+    fit = sf.fuse(perceptron_loss, optax.sgd(0.1), steps=3)
+    with pytest.raises(ValueError, match=r"steps=4"):
+        fit(fit.init(perceptron_init()), X, Y, steps=4)
+
+
+@pytest.mark.parametrize("kwargs, name", [({"record_every": 0}, "record_every"), ({"tol": -1.0}, "tol")])
+def test_bad_options(kwargs, name):
+    with pytest.raises((TypeError, ValueError), match=f"`{name}`"):
+        sf.fuse(perceptron_loss, optax.sgd(0.1), steps=3, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "loss_fn, what",
+    [
+        (lambda p, x, y: x @ p["kernel"], "shape"),
+        (lambda p, x, y: jnp.sum(y), "int32"),
+        (lambda p, x, y: (perceptron_loss(p, x, y), 1), "floating-point scalar"),
+    ],
+    ids=["non_scalar", "integer", "tuple_without_has_aux"],
+)
+def test_bad_loss_is_reported_before_running(loss_fn, what):
+    fit = sf.fuse(loss_fn, optax.sgd(0.1), steps=3)
+    with pytest.raises(TypeError, match=f"`loss_fn`.*{what}"):
+        fit(fit.init(perceptron_init()), X, Y)
+
+
+class NotOptax:
+    def init(self, params):
+        return ()
+
+
+@pytest.mark.parametrize("bad", [NotOptax(), "adam", None])
+def test_optimizer_that_is_not_optax(bad):
+    with pytest.raises(TypeError, match="`optimizer`.*optax"):
+        sf.fuse(perceptron_loss, bad, steps=3)
+
+
+def test_integer_params_named_with_their_path():
+    fit = sf.fuse(perceptron_loss, optax.sgd(0.1), steps=3)
+    with pytest.raises(TypeError, match=r"`params`.*int32.*\['bias'\]"):
+        fit.init({"kernel": jnp.ones((2, 2)), "bias": jnp.zeros(2, jnp.int32)})
+
+
+def test_state_that_is_not_a_fitstate():
+    fit = sf.fuse(perceptron_loss, optax.sgd(0.1), steps=3)
+    with pytest.raises(TypeError, match="`state`.*fit.init"):
+        fit(perceptron_init(), X, Y)
