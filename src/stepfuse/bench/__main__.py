@@ -1,0 +1,41 @@
+"""One backend's part of ``stepfuse bench``, run in its own process.
+
+``python -m stepfuse.bench --backend jax --sizes seed mlp --steps 10 1000 --json out.json``
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from ._timing import measure, print_table, write_json
+from .problems import MAX_STEPS
+
+MODULES = {"jax": "stepfuse.bench.jax", "tf": "stepfuse.bench.tf", "tf1": "stepfuse.bench.tf1",
+           "torch": "stepfuse.bench.torch"}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m stepfuse.bench")
+    ap.add_argument("--backend", required=True, choices=sorted(MODULES))
+    ap.add_argument("--sizes", nargs="+", default=["seed"])
+    ap.add_argument("--steps", nargs="+", type=int, default=[1000])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    module = importlib.import_module(MODULES[args.backend])
+    results = []
+    for size in args.sizes:
+        for n in args.steps:
+            if n > MAX_STEPS[size]:
+                continue
+            builders, steps_for = module.contenders(size, n)
+            results += measure(builders, n, backend=args.backend, problem=size,
+                               repeats=2 if args.quick else 5, steps_for=steps_for)
+    print_table(results, title=f"{args.backend}")
+    if args.json:
+        write_json(results, args.json)
+
+
+if __name__ == "__main__":
+    main()

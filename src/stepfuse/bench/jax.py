@@ -1,0 +1,69 @@
+"""JAX contenders: stepfuse's fused call against the loops a JAX user would write."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from .. import jax as sf
+from .problems import problem
+
+CONTENDERS = ("stepfuse", "fori_loop", "scan (with losses)", "jit per step")
+
+
+def mlp_loss(layers, x, y):
+    h = x
+    for layer in layers[:-1]:
+        h = jnp.tanh(h @ layer["kernel"] + layer["bias"])
+    logits = h @ layers[-1]["kernel"] + layers[-1]["bias"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def contenders(size: str, n: int, lr: float = 0.01):
+    """Builders (see `stepfuse.bench._timing.measure`) for every JAX contender on ``size``."""
+    layers, x, y = problem(size)
+    params = jax.tree_util.tree_map(jnp.asarray, layers)
+    batch = (jnp.asarray(x), jnp.asarray(y))
+    optimizer = optax.sgd(lr)
+    loss_fn = mlp_loss
+
+    def one_step(p, s):
+        g = jax.grad(loss_fn)(p, *batch)
+        u, s = optimizer.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    def stepfuse():
+        fit = sf.fuse(loss_fn, optimizer, steps=n)
+        state = fit.init(params)
+        return lambda m: fit(state, *batch, steps=m)[1].loss
+
+    def fori_loop():
+        run = jax.jit(lambda p, s, m: jax.lax.fori_loop(0, m, lambda i, c: one_step(*c), (p, s)))
+        s0 = optimizer.init(params)
+        return lambda m: jax.block_until_ready(run(params, s0, m))
+
+    def scan():
+        def body(c, _):
+            p, s = c
+            value, g = jax.value_and_grad(loss_fn)(p, *batch)
+            u, s = optimizer.update(g, s, p)
+            return (optax.apply_updates(p, u), s), value
+
+        run = jax.jit(lambda p, s: jax.lax.scan(body, (p, s), None, length=n))
+        s0 = optimizer.init(params)
+        return lambda m: jax.block_until_ready(run(params, s0))
+
+    def jit_per_step():
+        step = jax.jit(one_step)
+        s0 = optimizer.init(params)
+
+        def run(m):
+            c = (params, s0)
+            for _ in range(m):
+                c = step(*c)
+            return jax.block_until_ready(c)
+        return run
+
+    return {"stepfuse": stepfuse, "fori_loop": fori_loop, "scan (with losses)": scan,
+            "jit per step": jit_per_step}, {"jit per step": min(n, 1000)}

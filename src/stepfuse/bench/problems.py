@@ -1,0 +1,29 @@
+"""The benchmark sizes, as NumPy data and parameters every backend builds from.
+
+* ``seed``: the seed's perceptron on 50 points (overhead-bound);
+* ``mlp``: an MLP 2-64-64-2 on 1,024 points;
+* ``wide``: a compute-bound MLP 2-1024-1024-2 on 4,096 points.
+"""
+
+from __future__ import annotations
+
+from ..problems import blobs, mlp_init, perceptron_init
+
+SIZES = ("seed", "mlp", "wide")
+
+# Steps above which a size is too slow on a small CPU to be worth timing in full.
+MAX_STEPS = {"seed": 10_000, "mlp": 10_000, "wide": 100}
+
+
+def problem(size: str):
+    """``(layers, x, y)``: a list of ``{"kernel", "bias"}`` layers (tanh between them) and data."""
+    if size == "seed":
+        x, y = blobs(50)
+        return [perceptron_init()], x, y
+    if size == "mlp":
+        x, y = blobs(1024, seed=1)
+        return mlp_init((2, 64, 64, 2), seed=1), x, y
+    if size == "wide":
+        x, y = blobs(4096, seed=2)
+        return mlp_init((2, 1024, 1024, 2), seed=2), x, y
+    raise ValueError(f"unknown size {size!r}; choose from {SIZES}")

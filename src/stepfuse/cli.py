@@ -1,0 +1,207 @@
+"""The command line: ``stepfuse demo`` (the seed's experiment) and ``stepfuse bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import List, Optional
+
+from .demo import BACKENDS, available_backends
+
+__all__ = ["main"]
+
+
+class UsageError(Exception):
+    """A bad command line: reported in one line with exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, no usage dump
+        raise UsageError(message)
+
+
+def _positive_int(name):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a whole number >= 1, got {text!r}")
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+        return value
+    return parse
+
+
+def _positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--lr must be a number > 0, got {text!r}")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"--lr must be > 0, got {text}")
+    return value
+
+
+def _writable(path: Optional[str], flag: str) -> None:
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"{flag} {path}: folder {folder} does not exist")
+    if os.path.isdir(path) or not os.access(folder, os.W_OK) or (
+        os.path.exists(path) and not os.access(path, os.W_OK)
+    ):
+        raise UsageError(f"{flag} {path}: cannot write there; pick a writable file path")
+
+
+def _backend(name: Optional[str], flag: str = "--backend") -> str:
+    installed = available_backends()
+    if name is None:
+        if not installed:
+            raise UsageError("no backend installed: pip install 'stepfuse[jax]' (or [tf], [torch])")
+        return installed[0]
+    if name not in BACKENDS:
+        raise UsageError(f"{flag} {name}: unknown backend; choose from {', '.join(BACKENDS)}")
+    if name not in installed:
+        extra = "tf" if name == "tf1" else name
+        raise UsageError(f"{flag} {name}: not installed; pip install 'stepfuse[{extra}]'")
+    return name
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="stepfuse", description="Run many optimizer steps inside one compiled call.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    demo = sub.add_parser("demo", help="the seed's experiment: 1 vs N steps per call, checked and timed")
+    demo.add_argument("--backend", help=f"one of {', '.join(BACKENDS)} (default: first installed)")
+    demo.add_argument("--steps", type=_positive_int("--steps"), default=3, help="steps per fused call (3)")
+    demo.add_argument("--calls", type=_positive_int("--calls"), default=10, help="fused calls (10)")
+    demo.add_argument("--lr", type=_positive_float, default=0.01, help="SGD learning rate (0.01)")
+    demo.add_argument("--timing-steps", type=_positive_int("--timing-steps"), default=2000,
+                      help="steps of the fused call that is timed (2000)")
+    demo.add_argument("--plot", help="write a PNG of both loss curves")
+    demo.add_argument("--json", help="write the numbers as JSON")
+    demo.add_argument("--stale-gradient", action="store_true",
+                      help="teaching aid: apply each call's first gradient N times (the check then fails)")
+
+    bench = sub.add_parser("bench", help="the side-by-side benchmark matrix")
+    bench.add_argument("--backends", nargs="+", help=f"from {', '.join(BACKENDS)} (default: installed)")
+    bench.add_argument("--sizes", nargs="+", choices=("seed", "mlp", "wide"), help="problem sizes")
+    bench.add_argument("--steps", nargs="+", type=_positive_int("--steps"), help="values of N")
+    bench.add_argument("--quick", action="store_true", help="a small matrix that runs in about a minute")
+    bench.add_argument("--json", help="write all results as JSON")
+    bench.add_argument("--plot", help="write a PNG: us/step against N per contender (log-log)")
+    return parser
+
+
+def _print_demo(r) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"seed perceptron, {r.backend}: loss before each call (SGD lr={r.lr})")
+    table.add_column("step", justify="right")
+    table.add_column("1 step per call", justify="right")
+    table.add_column(f"{r.steps} steps per call", justify="right")
+    for i, loss in enumerate(r.one_step):
+        k, rem = divmod(i, r.steps)
+        table.add_row(str(i), f"{loss:.6f}", f"{r.n_step[k]:.6f}" if rem == 0 else "")
+    console.print(table)
+    verdict = "PASSED" if r.check_passed else "FAILED"
+    console.print(f"check: row k of the {r.steps}-step table == row {r.steps}*k of the 1-step table: "
+                  f"[bold]{verdict}[/bold] (max |diff| {r.max_abs_diff:.2e})"
+                  + ("  [stale gradient: the first gradient applied N times]" if r.stale_gradient else ""))
+    console.print(f"time per step: fused {r.fused_us_per_step:.2f} us, one step per call "
+                  f"{r.stepwise_us_per_step:.2f} us -> [bold]{r.speedup:.1f}x[/bold] faster fused")
+
+
+def _plot_demo(r, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(range(len(r.one_step)), r.one_step, "o-", ms=3, label="1 step per call")
+    ax.plot([k * r.steps for k in range(len(r.n_step))], r.n_step, "s", ms=7, mfc="none",
+            label=f"{r.steps} steps per call (fused)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_title(f"stepfuse demo ({r.backend}): {'check passed' if r.check_passed else 'CHECK FAILED'}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _demo(args) -> int:
+    import dataclasses
+
+    from .demo import run_seed
+
+    backend = _backend(args.backend)
+    _writable(args.plot, "--plot")
+    _writable(args.json, "--json")
+    r = run_seed(backend, args.steps, args.calls, args.lr, stale_gradient=args.stale_gradient,
+                 timing_steps=args.timing_steps)
+    _print_demo(r)
+    if args.plot:
+        _plot_demo(r, args.plot)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**dataclasses.asdict(r), "speedup": r.speedup}, f, indent=2)
+    return 0 if r.check_passed else 1
+
+
+def _bench(args) -> int:
+    from .bench._timing import Result, print_table
+
+    backends = [_backend(b, "--backends") for b in args.backends] if args.backends else available_backends()
+    if not backends:
+        raise UsageError("no backend installed: pip install 'stepfuse[jax]' (or [tf], [torch])")
+    _writable(args.json, "--json")
+    _writable(args.plot, "--plot")
+    sizes = args.sizes or (["seed", "mlp"] if args.quick else ["seed", "mlp", "wide"])
+    steps = args.steps or ([10, 1000] if args.quick else [1, 10, 100, 1000, 10_000])
+    results: List[Result] = []
+    for backend in backends:  # each backend in its own process
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "results.json")
+            cmd = [sys.executable, "-m", "stepfuse.bench", "--backend", backend, "--json", out,
+                   "--sizes", *sizes, "--steps", *map(str, steps)] + (["--quick"] if args.quick else [])
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            if proc.returncode != 0:
+                tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
+                print(f"stepfuse bench: {backend} failed: {tail[0]}", file=sys.stderr)
+                continue
+            with open(out) as f:
+                results += [Result(**r) for r in json.load(f)["results"]]
+    print_table(results, title="stepfuse bench (x stepfuse = contender us/step / stepfuse us/step)")
+    if args.json:
+        from .bench._timing import write_json
+
+        write_json(results, args.json, command="stepfuse bench " + " ".join(sys.argv[2:]))
+    if args.plot:
+        from .bench._plot import plot_results
+
+        plot_results(results, args.plot)
+    return 0 if results else 1
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of the ``stepfuse`` command."""
+    try:
+        args = build_parser().parse_args(argv)
+        code = _demo(args) if args.command == "demo" else _bench(args)
+    except UsageError as e:
+        print(f"stepfuse: error: {e}", file=sys.stderr)
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The command line: `stepfuse demo` per installed backend, `stepfuse bench --quick`, bad input."""
+
+import json
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+
+from stepfuse.cli import main
+from stepfuse.demo import available_backends
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_demo_passes_its_check_and_writes_json_and_plot(backend, tmp_path, capsys):
+    out, png = tmp_path / "demo.json", tmp_path / "demo.png"
+    code = main(["demo", "--backend", backend, "--calls", "4", "--timing-steps", "200",
+                 "--json", str(out), "--plot", str(png)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["check_passed"] is True and data["backend"] == backend
+    assert len(data["one_step"]) == 12 and len(data["n_step"]) == 4
+    assert data["one_step"][0] == pytest.approx(math.log(2), abs=1e-6)
+    assert data["n_step"] == pytest.approx(data["one_step"][::3], rel=1e-6)
+    assert data["fused_us_per_step"] > 0 and data["stepwise_us_per_step"] > 0
+    assert png.stat().st_size > 1000
+    assert "PASSED" in capsys.readouterr().out
+
+
+def test_demo_with_the_stale_gradient_fails_its_check(tmp_path):
+    out = tmp_path / "demo.json"
+    code = main(["demo", "--backend", available_backends()[0], "--calls", "3", "--timing-steps", "100",
+                 "--stale-gradient", "--json", str(out)])
+    assert code == 1
+    assert json.loads(out.read_text())["check_passed"] is False
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["demo", "--steps", "0"], "--steps"),
+        (["demo", "--steps", "x"], "--steps"),
+        (["demo", "--backend", "mxnet"], "unknown backend"),
+        (["demo", "--plot", "/nonexistent-folder/plot.png"], "--plot"),
+        (["demo", "--lr", "-1"], "--lr"),
+        (["bench", "--backends", "caffe"], "unknown backend"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_bad_command_line_is_one_line_and_exit_2(argv, needle):
+    proc = subprocess.run([sys.executable, "-m", "stepfuse.cli", *argv], capture_output=True, text=True)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_backend_not_installed_is_reported(monkeypatch, capsys):
+    import stepfuse.cli as cli
+
+    monkeypatch.setattr(cli, "available_backends", lambda: ["jax"])
+    assert main(["demo", "--backend", "torch"]) == 2
+    assert "not installed" in capsys.readouterr().err
+
+
+def test_bench_quick_has_every_contender_of_every_backend(tmp_path):
+    out = tmp_path / "bench.json"
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "stepfuse.cli", "bench", "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    import importlib
+
+    from stepfuse.bench.__main__ import MODULES
+
+    for backend in available_backends():
+        module = importlib.import_module(MODULES[backend])
+        for size in ("seed", "mlp"):
+            got = {r["contender"] for r in results if r["backend"] == backend and r["problem"] == size}
+            assert got == set(module.CONTENDERS), (backend, size, got)
+            assert all(r["us_per_step"] > 0 for r in results if r["backend"] == backend)
+    print(f"bench --quick took {elapsed:.0f} s")
