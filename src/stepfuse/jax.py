@@ -193,12 +193,13 @@ class Fit:
         self._notifier = Notifier(self.opts, start, n, label="stepfuse.jax")
         return self._notifier
 
-    def _dispatch(self, step, loss):
+    def _dispatch(self, step, loss, hit):
         if self._notifier is None or self._callback_error is not None:
             return
         try:
-            for s, l in zip(np.ravel(step), np.ravel(loss)):
-                self._notifier(s, l)
+            for s, l, h in zip(np.ravel(step), np.ravel(loss), np.ravel(hit)):
+                if h:
+                    self._notifier(s, l)
         except BaseException as e:  # re-raised on the host once the call returns
             self._callback_error = e
 
@@ -226,11 +227,6 @@ class Fit:
             buf = jax.lax.dynamic_update_index_in_dim(buf, value, jnp.where(i % k == 0, i // k, cap), 0)
             params, opt_state = _select(finite, (new_params, new_opt), (params, opt_state))
             applied = applied + finite.astype(jnp.int32)
-            if opts.notify:
-                step = step0 + applied
-                jax.lax.cond(finite & (step % opts.every == 0),
-                             lambda: jax.debug.callback(self._dispatch, step, value),
-                             lambda: None)
             stop = jnp.where(finite, _RUNNING, Stop.NONFINITE)
             if opts.tol is not None:
                 converged = finite & (i > 0) & (jnp.abs(value - prev) <= opts.tol)
@@ -240,11 +236,27 @@ class Fit:
         def running(c):
             return (c[0] < n) & (c[5] == _RUNNING)
 
-        if scan_steps is None:
+        def notify(before, c):
+            """Call the host with (step, loss) if the last update reached a multiple of `every`."""
+            hit = (c[6] > before[6]) & ((step0 + c[6]) % opts.every == 0)
+            jax.debug.callback(self._dispatch, step0 + c[6], c[4], hit)
+            return c
+
+        if scan_steps is not None:  # reverse-differentiable: fixed length, finished steps masked
+            def scan_body(c, _):
+                new = jax.lax.cond(running(c), body, lambda c: c, c)
+                return (notify(c, new) if opts.notify else new), None
+
+            out = jax.lax.scan(scan_body, carry, None, length=scan_steps)[0]
+        elif not opts.notify:
             out = jax.lax.while_loop(running, body, carry)
-        else:  # reverse-differentiable: a scan of fixed length, finished steps masked by cond
-            out = jax.lax.scan(lambda c, _: (jax.lax.cond(running(c), body, lambda c: c, c), None),
-                               carry, None, length=scan_steps)[0]
+        else:  # an inner loop runs up to the next multiple of `every`; the host is called between
+            def until_due(c):
+                limit = jnp.minimum(n, c[0] + opts.every - (step0 + c[6]) % opts.every)
+                new = jax.lax.while_loop(lambda c: (c[0] < limit) & (c[5] == _RUNNING), body, c)
+                return notify(c, new)
+
+            out = jax.lax.while_loop(running, until_due, carry)
         _, params, opt_state, buf, _, stop, applied, aux = out
         stop = jnp.where(stop == _RUNNING, Stop.STEPS, stop)
         return FitState(params, opt_state, step0 + applied), (buf, applied, stop), aux
