@@ -26,6 +26,7 @@ from ._trace import Stop, Trace, host_trace
 __all__ = ["fuse", "Fit", "FitState"]
 
 _RUNNING = -1
+_CHUNK = 32  # losses kept on the side before each copy into the trace (see `Fit._run`)
 
 jax.tree_util.register_pytree_node(
     Trace,
@@ -214,24 +215,30 @@ class Fit:
 
     def _run(self, state: FitState, batch, n, *, scan_steps=None):
         params, opt_state, step0 = state
-        opts, k = self.opts, self.opts.record_every
+        opts, k, C = self.opts, self.opts.record_every, _CHUNK
         loss = _Loss(self.loss_fn, self.has_aux, params, batch)
-        cap = opts.capacity
+        size = -(-opts.capacity // C) * C  # whole chunks, plus one slot for unrecorded steps
         aux0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), loss.aux_shape)
-        carry = (jnp.int32(0), params, opt_state, jnp.full((cap + 1,), jnp.nan, loss.dtype),
+        carry = (jnp.int32(0), params, opt_state, jnp.full((size + 1,), jnp.nan, loss.dtype),
                  jnp.array(jnp.nan, loss.dtype), jnp.int32(_RUNNING), jnp.int32(0), aux0)
 
-        def body(c):
-            i, params, opt_state, buf, prev, _, applied, _ = c
-            value, aux, new_params, new_opt, finite = self._propose(params, opt_state, batch, loss)
-            buf = jax.lax.dynamic_update_index_in_dim(buf, value, jnp.where(i % k == 0, i // k, cap), 0)
-            params, opt_state = _select(finite, (new_params, new_opt), (params, opt_state))
-            applied = applied + finite.astype(jnp.int32)
-            stop = jnp.where(finite, _RUNNING, Stop.NONFINITE)
-            if opts.tol is not None:
-                converged = finite & (i > 0) & (jnp.abs(value - prev) <= opts.tol)
-                stop = jnp.where(converged, Stop.TOL, stop)
-            return i + 1, params, opt_state, buf, value, jnp.int32(stop), applied, aux
+        def make_body(first, unrecorded):
+            """One step; its loss goes to ``buf[i // k - first]`` or, off the record, to ``buf[unrecorded]``."""
+
+            def body(c):
+                i, params, opt_state, buf, prev, _, applied, _ = c
+                value, aux, new_params, new_opt, finite = self._propose(params, opt_state, batch, loss)
+                slot = jnp.where(i % k == 0, i // k - first, unrecorded)
+                buf = jax.lax.dynamic_update_index_in_dim(buf, value, slot, 0)
+                params, opt_state = _select(finite, (new_params, new_opt), (params, opt_state))
+                applied = applied + finite.astype(jnp.int32)
+                stop = jnp.where(finite, _RUNNING, Stop.NONFINITE)
+                if opts.tol is not None:
+                    converged = finite & (i > 0) & (jnp.abs(value - prev) <= opts.tol)
+                    stop = jnp.where(converged, Stop.TOL, stop)
+                return i + 1, params, opt_state, buf, value, jnp.int32(stop), applied, aux
+
+            return body
 
         def running(c):
             return (c[0] < n) & (c[5] == _RUNNING)
@@ -242,21 +249,34 @@ class Fit:
             jax.debug.callback(self._dispatch, step0 + c[6], c[4], hit)
             return c
 
-        if scan_steps is not None:  # reverse-differentiable: fixed length, finished steps masked
+        def chunk(c):
+            """Run the steps whose losses fill one chunk of C records (or up to a callback).
+
+            The losses go to a small buffer that is copied into the trace once per chunk:
+            a per-step write into the whole trace buffer costs far more on XLA:CPU.
+            """
+            i0, big = c[0], c[3]
+            first = (i0 // (C * k)) * C
+            limit = jnp.minimum(n, (first + C) * k)
+            if opts.notify:
+                limit = jnp.minimum(limit, i0 + opts.every - (step0 + c[6]) % opts.every)
+            small = jnp.concatenate([jax.lax.dynamic_slice(big, (first,), (C,)), big[-1:]])
+            inner = jax.lax.while_loop(lambda c: (c[0] < limit) & (c[5] == _RUNNING),
+                                       make_body(first, C), c[:3] + (small,) + c[4:])
+            big = jax.lax.dynamic_update_slice(big, inner[3][:C], (first,))
+            new = inner[:3] + (big,) + inner[4:]
+            return notify(c, new) if opts.notify else new
+
+        if scan_steps is None:
+            out = jax.lax.while_loop(running, chunk, carry)
+        else:  # reverse-differentiable: fixed length, finished steps masked
+            body = make_body(0, size)
+
             def scan_body(c, _):
                 new = jax.lax.cond(running(c), body, lambda c: c, c)
                 return (notify(c, new) if opts.notify else new), None
 
             out = jax.lax.scan(scan_body, carry, None, length=scan_steps)[0]
-        elif not opts.notify:
-            out = jax.lax.while_loop(running, body, carry)
-        else:  # an inner loop runs up to the next multiple of `every`; the host is called between
-            def until_due(c):
-                limit = jnp.minimum(n, c[0] + opts.every - (step0 + c[6]) % opts.every)
-                new = jax.lax.while_loop(lambda c: (c[0] < limit) & (c[5] == _RUNNING), body, c)
-                return notify(c, new)
-
-            out = jax.lax.while_loop(running, until_due, carry)
         _, params, opt_state, buf, _, stop, applied, aux = out
         stop = jnp.where(stop == _RUNNING, Stop.STEPS, stop)
         return FitState(params, opt_state, step0 + applied), (buf, applied, stop), aux
