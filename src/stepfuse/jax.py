@@ -18,6 +18,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import io_callback
 
 from ._loop import Notifier, finish, run_stepwise
 from ._options import OPTIONS_DOC, check_call_steps, check_options
@@ -26,6 +27,7 @@ from ._trace import Stop, Trace, host_trace
 __all__ = ["fuse", "Fit", "FitState"]
 
 _RUNNING = -1
+_ABORTED = -2  # a callback raised: the loop stops and the call re-raises its exception
 _CHUNK = 32  # losses kept on the side before each copy into the trace (see `Fit._run`)
 
 jax.tree_util.register_pytree_node(
@@ -94,17 +96,39 @@ def _wants_reverse_mode(tree) -> bool:
                for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.core.Tracer))
 
 
+def _inputs_reaching_output(jaxpr) -> list:
+    """For each input of ``jaxpr``, whether the first output (the loss) may depend on it.
+
+    A conservative walk back from the loss through the equations; ``stop_gradient``
+    cuts the dependency, as it does for the gradient.
+    """
+    Var = jax.extend.core.Var
+    needed = {v for v in jaxpr.outvars[:1] if isinstance(v, Var)}
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.primitive.name == "stop_gradient" or not any(v in needed for v in eqn.outvars):
+            continue
+        needed.update(v for v in eqn.invars if isinstance(v, Var))
+    return [v in needed for v in jaxpr.invars]
+
+
 class _Loss:
     """``loss_fn`` traced once into a jaxpr whose output is checked before anything runs."""
 
     def __init__(self, loss_fn, has_aux, params, batch):
-        closed, shape = jax.make_jaxpr(loss_fn, return_shape=True)(params, *batch)
-        out = shape[0] if has_aux else shape
+        try:
+            closed, shape = jax.make_jaxpr(loss_fn, return_shape=True)(params, *batch)
+        except (TypeError, ValueError) as e:
+            shapes = jax.tree_util.tree_map(lambda a: tuple(np.shape(a)), (params, batch))
+            raise type(e)(
+                f"`loss_fn(params, *batch)` failed with params/batch shapes {shapes}: {e} "
+                "Check that the batch passed to fit(state, *batch) fits the model."
+            ) from e
         if has_aux and not (isinstance(shape, (tuple, list)) and len(shape) == 2):
             raise TypeError(
                 f"`loss_fn` must return (loss, aux) with has_aux=True; got {shape!r}. "
                 "Return a pair, or build with has_aux=False."
             )
+        out = shape[0] if has_aux else shape
         if not isinstance(out, jax.ShapeDtypeStruct) or out.shape != () or not jnp.issubdtype(
             out.dtype, jnp.floating
         ):
@@ -113,6 +137,13 @@ class _Loss:
                 f"`loss_fn` must return a floating-point scalar{' (with aux)' if has_aux else ''}; "
                 f"got {desc}. Reduce it to a scalar (e.g. jnp.mean) and make it float "
                 "(e.g. .astype(jnp.float32))."
+            )
+        n_params = len(jax.tree_util.tree_leaves(params))
+        if not any(_inputs_reaching_output(closed.jaxpr)[:n_params]):
+            raise ValueError(
+                "`loss_fn` does not depend on `params`: every gradient would be zero and no "
+                "step would change anything. Compute the loss from the params argument "
+                "(not from arrays closed over) and do not wrap it in stop_gradient."
             )
         self.dtype = out.dtype
         self.aux_shape = shape[1] if has_aux else None
@@ -195,14 +226,27 @@ class Fit:
         return self._notifier
 
     def _dispatch(self, step, loss, hit):
-        if self._notifier is None or self._callback_error is not None:
-            return
-        try:
-            for s, l, h in zip(np.ravel(step), np.ravel(loss), np.ravel(hit)):
-                if h:
-                    self._notifier(s, l)
-        except BaseException as e:  # re-raised on the host once the call returns
-            self._callback_error = e
+        """The host side of the in-loop callback; returns True to make the loop stop.
+
+        Called eagerly (the usual case) an exception is kept, the loop stops at once,
+        and ``__call__`` re-raises it. Inside a user's ``jax.jit``/``jax.vmap`` only
+        ``callback`` fires (no progress bar) and its exception surfaces through JAX.
+        """
+        if self._callback_error is not None:
+            return np.bool_(True)
+        for s, l, h in zip(np.ravel(step), np.ravel(loss), np.ravel(hit)):
+            if not h:
+                continue
+            if self._notifier is None:
+                if self.opts.callback is not None:
+                    self.opts.callback(int(s), float(l))
+                continue
+            try:
+                self._notifier(s, l)
+            except BaseException as e:  # re-raised on the host once the call returns
+                self._callback_error = e
+                return np.bool_(True)
+        return np.bool_(False)
 
     def _propose(self, params, opt_state, batch, loss: Optional[_Loss] = None):
         loss = loss or _Loss(self.loss_fn, self.has_aux, params, batch)
@@ -246,8 +290,9 @@ class Fit:
         def notify(before, c):
             """Call the host with (step, loss) if the last update reached a multiple of `every`."""
             hit = (c[6] > before[6]) & ((step0 + c[6]) % opts.every == 0)
-            jax.debug.callback(self._dispatch, step0 + c[6], c[4], hit)
-            return c
+            abort = io_callback(self._dispatch, jax.ShapeDtypeStruct((), jnp.bool_),
+                                step0 + c[6], c[4], hit, ordered=False)
+            return c[:5] + (jnp.where(abort & (c[5] == _RUNNING), _ABORTED, c[5]),) + c[6:]
 
         def chunk(c):
             """Run the steps whose losses fill one chunk of C records (or up to a callback).
@@ -278,7 +323,7 @@ class Fit:
 
             out = jax.lax.scan(scan_body, carry, None, length=scan_steps)[0]
         _, params, opt_state, buf, _, stop, applied, aux = out
-        stop = jnp.where(stop == _RUNNING, Stop.STEPS, stop)
+        stop = jnp.where((stop == _RUNNING) | (stop == _ABORTED), Stop.STEPS, stop)
         return FitState(params, opt_state, step0 + applied), (buf, applied, stop), aux
 
     # -- the stepwise reference -------------------------------------------------------
