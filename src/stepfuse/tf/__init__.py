@@ -1,0 +1,415 @@
+"""TensorFlow 2 / Keras backend: many Keras-optimizer steps inside one ``tf.function`` call.
+
+``fuse(loss_fn, optimizer, variables, steps=...)`` returns a `Fit`; ``fit(*batch)`` runs the
+steps in one ``tf.function`` call (a ``tf.while_loop``, XLA-compiled by default) and returns
+a `stepfuse.Trace`. The variables and the optimizer state are updated in place.
+TF1 graph mode (``sess.run``) lives in `stepfuse.tf.v1`.
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+import warnings
+from typing import Any, Callable, List, Optional, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from .._loop import Notifier, finish, run_stepwise
+from .._options import OPTIONS_DOC, Options, check_call_steps, check_options
+from .._trace import Stop, Trace, host_trace
+
+__all__ = ["fuse", "Fit", "v1"]
+
+_INT = tf.int32
+
+
+def _fail(exc, name: str, value: Any, want: str, fix: str):
+    raise exc(f"`{name}` must be {want}; got {value!r} ({type(value).__name__}). {fix}")
+
+
+def _tf_var(v):
+    """The ``tf.Variable`` behind a Keras 3 variable (or ``v`` itself)."""
+    return v.value if isinstance(v, keras.Variable) else v
+
+
+def _check_optimizer(optimizer) -> None:
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        _fail(TypeError, "optimizer", optimizer, "a Keras 3 optimizer",
+              "Pass e.g. keras.optimizers.SGD(0.01) or keras.optimizers.Adam(1e-3); "
+              "optax optimizers go to stepfuse.jax, torch.optim ones to stepfuse.torch, "
+              "tf.compat.v1.train ones to stepfuse.tf.v1.")
+
+
+def _check_variables(variables) -> list:
+    fix = ("Pass a non-empty list of trainable floating-point tf.Variable / keras.Variable, "
+           "a tf.Module, or a built Keras model (e.g. model.trainable_variables).")
+    given = variables
+    if hasattr(variables, "trainable_variables") and not isinstance(variables, (list, tuple)):
+        variables = list(variables.trainable_variables)
+        if not variables:
+            _fail(ValueError, "variables", given, "a module/model with trainable variables",
+                  "Build the model first (call it once on a batch or give it an Input) "
+                  "and make sure some layers are trainable.")
+    elif isinstance(variables, (tf.Variable, keras.Variable)):
+        variables = [variables]
+    elif isinstance(variables, (list, tuple)):
+        variables = list(variables)
+    else:
+        _fail(TypeError, "variables", given, "a list of variables, a tf.Module or a Keras model", fix)
+    if not variables:
+        _fail(ValueError, "variables", given, "a non-empty list of variables", fix)
+    seen = set()
+    for v in variables:
+        if not isinstance(v, (tf.Variable, keras.Variable)):
+            _fail(TypeError, "variables", given, "a list of tf.Variable / keras.Variable only",
+                  f"{v!r} is not a variable. " + fix)
+        if not v.trainable:
+            _fail(ValueError, "variables", given, "trainable variables",
+                  f"{getattr(v, 'name', v)!r} has trainable=False. " + fix)
+        if not tf.as_dtype(v.dtype).is_floating:
+            _fail(TypeError, "variables", given, "floating-point variables",
+                  f"{getattr(v, 'name', v)!r} has dtype {tf.as_dtype(v.dtype).name}. " + fix)
+        if id(v) in seen:
+            _fail(ValueError, "variables", given, "a list without duplicates", fix)
+        seen.add(id(v))
+    return variables
+
+
+def _all_finite(tensors) -> tf.Tensor:
+    ok = tf.constant(True)
+    for t in tensors:
+        if t is None:
+            continue
+        if isinstance(t, tf.IndexedSlices):
+            t = t.values
+        if t.dtype.is_floating or t.dtype.is_complex:
+            ok = tf.logical_and(ok, tf.reduce_all(tf.math.is_finite(t)))
+    return ok
+
+
+_MIN_CHUNK = 256
+
+
+def _inner_loop(step, m, i0, prev, step0, opts: Options, cap: int):
+    """At most ``m`` guarded steps (the part of a call that XLA compiles).
+
+    ``step()`` evaluates the loss and gradients at the current variables and applies the
+    update unless something is non-finite; it returns ``(loss, ok)``. ``i0`` is the index
+    within the call of the first step, ``prev`` the previous loss (for ``tol``), ``step0``
+    the global step before this chunk. The loop ends early on tol, on a refused update, or
+    right after an update whose global step is due for a notification. Returns the
+    recorded losses (a ``cap``-long buffer and its count), steps evaluated and applied,
+    the stop code, the last loss, and whether a notification is due.
+    """
+    r = opts.record_every
+    first_slot = (i0 + r - 1) // r
+
+    def cond(j, applied, stop, prev, buf, due):
+        return tf.logical_and(tf.logical_and(j < m, tf.equal(stop, 0)), tf.logical_not(due))
+
+    def body(j, applied, stop, prev, buf, due):
+        loss, ok = step()
+        loss32 = tf.cast(loss, tf.float32)
+        loss64 = tf.cast(loss32, tf.float64)
+        i = i0 + j
+        if r == 1:
+            buf = buf.write(j, loss32)
+        else:
+            buf = tf.cond(tf.equal(i % r, 0), lambda: buf.write(i // r - first_slot, loss32), lambda: buf)
+        applied = applied + tf.cast(ok, _INT)
+        new_stop = tf.where(ok, tf.constant(int(Stop.STEPS), _INT), tf.constant(int(Stop.NONFINITE), _INT))
+        if opts.tol is not None:
+            conv = tf.logical_and(i > 0, tf.abs(loss64 - prev) <= opts.tol)
+            new_stop = tf.where(tf.logical_and(ok, conv), tf.constant(int(Stop.TOL), _INT), new_stop)
+        if opts.notify:
+            gstep = step0 + tf.cast(applied, tf.int64)
+            due = tf.logical_and(ok, tf.equal(gstep % opts.every, 0))
+        return j + 1, applied, new_stop, loss64, buf, due
+
+    init = (tf.constant(0, _INT), tf.constant(0, _INT), tf.constant(0, _INT), prev,
+            tf.TensorArray(tf.float32, size=cap, element_shape=[]), tf.constant(False))
+    j, applied, stop, prev, buf, due = tf.while_loop(cond, body, init, maximum_iterations=m)
+    count = (i0 + j + r - 1) // r - first_slot
+    return buf.stack(), count, j, applied, stop, prev, due
+
+
+def _outer_loop(inner, n, step0, opts: Options, chunk: int, notify=None):
+    """A whole call: ``inner`` chunks of at most ``chunk`` steps until ``n`` or a stop.
+
+    Runs outside XLA, so the trace can grow with ``n`` (a TensorArray of the chunks'
+    recorded losses) and notifications reach the host (``notify(step, loss)`` through
+    ``tf.py_function``) between chunks. Returns ``(losses, applied, stop)``.
+    """
+
+    def cond(i, applied, stop, prev, ta, k, ticks):
+        return tf.logical_and(i < n, tf.equal(stop, 0))
+
+    def body(i, applied, stop, prev, ta, k, ticks):
+        m = tf.minimum(tf.constant(chunk, _INT), n - i)
+        buf, count, j, a, stop, prev, due = inner(m, i, prev, step0 + tf.cast(applied, tf.int64))
+        ta = ta.write(k, buf[:count])
+        applied = applied + a
+        if notify is not None:
+            gstep = step0 + tf.cast(applied, tf.int64)
+            ticks = tf.cond(
+                due,
+                lambda: ticks + tf.reshape(tf.py_function(notify, [gstep, prev], _INT), []),
+                lambda: ticks)
+        return i + j, applied, stop, prev, ta, k + 1, ticks
+
+    ta = tf.TensorArray(tf.float32, size=0, dynamic_size=True, infer_shape=False, element_shape=[None])
+    init = (tf.constant(0, _INT), tf.constant(0, _INT), tf.constant(0, _INT),
+            tf.constant(math.nan, tf.float64), ta, tf.constant(0, _INT), tf.constant(0, _INT))
+    _, applied, stop, _, ta, _, _ = tf.while_loop(cond, body, init)
+    return ta.concat(), applied, stop
+
+
+class Fit:
+    """A fused fit: ``fit(*batch, steps=None)`` runs the steps in one ``tf.function`` call.
+
+    Built by `fuse`. Attributes: ``step`` (updates applied since the fit was built),
+    ``traces`` (how many times the fused program was traced: it stays at 1 across calls
+    with new ``steps`` and new batch values of the same shapes/dtypes), ``jit_compile``
+    (whether the loop is XLA-compiled; turned off with a warning when an op can't be),
+    ``variables`` and ``optimizer``.
+    """
+
+    def __init__(self, loss_fn, optimizer, variables, opts: Options, jit_compile: bool):
+        self.loss_fn, self.optimizer, self.variables, self.opts = loss_fn, optimizer, variables, opts
+        self.jit_compile = bool(jit_compile)
+        self.step = 0
+        self.traces = 0
+        self._compiled_once = False
+        self._tf_vars = [_tf_var(v) for v in variables]
+        if not optimizer.built:
+            optimizer.build(variables)
+        # Everything a refused update must leave untouched: parameters and optimizer state.
+        self._state = self._tf_vars + [_tf_var(v) for v in optimizer.variables]
+        self._chunk = max(opts.steps, _MIN_CHUNK)  # steps one (XLA) inner loop runs at most
+        self._cap = -(-self._chunk // opts.record_every)
+        self._notifier: Optional[Notifier] = None
+        self._notified_step: Optional[int] = None
+        self._callback_error: Optional[BaseException] = None
+        self._build()
+
+    # -- building -----------------------------------------------------------------------
+
+    def _build(self) -> None:
+        inner = self._inner_py
+        if self.jit_compile:
+            inner = tf.function(inner, jit_compile=True, autograph=False)
+        self._inner = inner
+        self._outer = tf.function(self._outer_py, autograph=False)
+        self._single = None
+
+    def _loss_and_grads(self, batch):
+        with tf.GradientTape() as tape:
+            loss = self.loss_fn(*batch)
+        _check_loss(loss, self.loss_fn)
+        loss = tf.convert_to_tensor(loss)
+        grads = tape.gradient(loss, self._tf_vars)
+        missing = [v.name for v, g in zip(self._tf_vars, grads) if g is None]
+        if missing:
+            _fail(ValueError, "loss_fn", self.loss_fn, "a loss that depends on every variable",
+                  f"No gradient reaches {missing}: read those variables inside loss_fn "
+                  "(not their numpy() values), or leave them out of `variables`.")
+        return loss, grads
+
+    def _guarded_update(self, loss, grads):
+        """Apply the optimizer's update; undo it (state and counters) if anything is non-finite."""
+        snapshot = [v.read_value() for v in self._state]
+        self.optimizer.apply_gradients(zip(grads, self.variables))
+        new = [v.read_value() for v in self._state]
+        ok = tf.logical_and(_all_finite([loss] + list(grads)), _all_finite(new))
+
+        def restore():
+            for v, old in zip(self._state, snapshot):
+                v.assign(old)
+            return tf.constant(False)
+
+        return tf.cond(ok, lambda: tf.constant(True), restore)
+
+    def _inner_py(self, m, i0, prev, step0, *batch):
+        def step():
+            loss, grads = self._loss_and_grads(batch)
+            return loss, self._guarded_update(loss, grads)
+
+        return _inner_loop(step, m, i0, prev, step0, self.opts, self._cap)
+
+    def _outer_py(self, n, step0, *batch):
+        self.traces += 1
+        return _outer_loop(lambda m, i0, prev, s0: self._inner(m, i0, prev, s0, *batch), n, step0,
+                           self.opts, self._chunk, self._notify_host if self.opts.notify else None)
+
+    def _notify_host(self, step, loss):
+        step = int(step)
+        self._notified_step = step
+        try:
+            self._notifier(step, float(loss))
+        except BaseException as e:  # noqa: BLE001 - handed back to the caller as is
+            self._callback_error = e
+            raise
+        return np.int32(1)
+
+    # -- calling ------------------------------------------------------------------------
+
+    def __call__(self, *batch, steps=None) -> Trace:
+        """Run ``steps`` (default: the ``steps`` given to `fuse`) updates; returns the `Trace`."""
+        n = check_call_steps(steps, self.opts, capped=False)
+        batch = tuple(tf.convert_to_tensor(b) for b in batch)
+        start = self.step
+        if self.opts.mode == "stepwise":
+            return self._call_stepwise(batch, n, start)
+        self._callback_error, self._notified_step = None, None
+        with Notifier(self.opts, start, n, label="stepfuse.tf") as notifier:
+            self._notifier = notifier
+            try:
+                losses, applied, stop = self._run(n, start, batch)
+            except tf.errors.OpError:
+                err = self._callback_error
+                if err is not None:  # the user's callback raised: hand it back as is
+                    if self._notified_step is not None:
+                        self.step = self._notified_step
+                    raise err from None
+                raise
+            finally:
+                self._notifier = None
+        self.step = start + int(applied)
+        return finish(host_trace(losses.numpy(), int(applied), int(stop), self.opts.record_every),
+                      self.opts, start)
+
+    def _run(self, n, start, batch):
+        args = (tf.constant(n, _INT), tf.constant(start, tf.int64)) + batch
+        if self._compiled_once or not self.jit_compile:
+            out = self._outer(*args)
+        else:
+            try:
+                out = self._outer(*args)
+            except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as e:
+                msg = str(e)
+                if self._callback_error is not None or not any(
+                        s in msg for s in ("XLA", "xla", "compil", "Compil")):
+                    raise
+                warnings.warn(
+                    "stepfuse.tf: the fused loop could not be XLA-compiled, so it runs without "
+                    f"XLA (slower). Pass jit_compile=False to silence this. Cause: {msg.splitlines()[0][:300]}",
+                    RuntimeWarning, stacklevel=3)
+                self.jit_compile = False
+                self._build()
+                out = self._outer(*args)
+        self._compiled_once = True
+        return out
+
+    # -- the stepwise reference -------------------------------------------------------
+
+    def _propose_py(self, *batch):
+        loss, grads = self._loss_and_grads(batch)
+        snapshot = [v.read_value() for v in self._state]
+        self.optimizer.apply_gradients(zip(grads, self.variables))
+        new = [v.read_value() for v in self._state]
+        finite = tf.logical_and(_all_finite([loss] + list(grads)), _all_finite(new))
+        with tf.control_dependencies(new):
+            for v, old in zip(self._state, snapshot):
+                v.assign(old)
+        return loss, finite, new
+
+    def _commit_py(self, new):
+        for v, value in zip(self._state, new):
+            v.assign(value)
+
+    def _call_stepwise(self, batch, n, start) -> Trace:
+        if self._single is None:
+            self._single = (tf.function(self._propose_py, autograph=False),
+                            tf.function(self._commit_py, autograph=False))
+            self.traces += 1
+        propose_fn, commit_fn = self._single
+
+        def propose():
+            loss, finite, new = propose_fn(*batch)
+            return float(loss), bool(finite), new
+
+        def commit(new):
+            commit_fn(new)
+            self.step += 1
+
+        with Notifier(self.opts, start, n, label="stepfuse.tf") as notifier:
+            trace = run_stepwise(propose, commit, n, self.opts, start,
+                                 notifier if self.opts.notify else None)
+        return finish(trace, self.opts, start)
+
+
+def _check_loss(loss, loss_fn) -> None:
+    try:
+        t = tf.convert_to_tensor(loss)
+    except (TypeError, ValueError):
+        _fail(TypeError, "loss_fn", loss_fn, "a function returning a scalar float tensor",
+              f"It returned {loss!r}; return e.g. tf.reduce_mean(...).")
+    if t.shape.rank != 0:
+        _fail(ValueError, "loss_fn", loss_fn, "a function returning a scalar (shape ())",
+              f"It returned a tensor of shape {t.shape}; reduce it, e.g. tf.reduce_mean(loss).")
+    if not t.dtype.is_floating:
+        _fail(TypeError, "loss_fn", loss_fn, "a function returning a floating-point scalar",
+              f"It returned dtype {t.dtype.name}; cast it, e.g. tf.cast(loss, tf.float32).")
+
+
+def fuse(
+    loss_fn: Callable[..., Any],
+    optimizer,
+    variables,
+    *,
+    steps: int,
+    tol: Optional[float] = None,
+    record_every: int = 1,
+    callback: Optional[Callable[[int, float], Any]] = None,
+    every: Optional[int] = None,
+    progress: bool = False,
+    on_nonfinite: str = "stop",
+    mode: str = "fused",
+    jit_compile: bool = True,
+) -> Fit:
+    """Build a fused fit that runs many Keras-optimizer steps in one ``tf.function`` call.
+
+    Args:
+      loss_fn: ``loss_fn(*batch)`` reads the variables and returns a scalar float tensor.
+        It is traced once (its Python body runs at trace time only).
+      optimizer: a Keras 3 optimizer (``keras.optimizers.SGD``, ``Adam``, ``AdamW``,
+        ``RMSprop``...). Its slot variables are built here; its own update rule is used.
+      variables: a list of trainable float ``tf.Variable`` / ``keras.Variable``, a
+        ``tf.Module`` or a built Keras model (its ``trainable_variables``).
+    {options}
+      jit_compile: XLA-compile the step loop (default). If an op can't be compiled, the
+        first call warns and falls back to a plain ``tf.function`` loop.
+
+    Returns:
+      a `Fit`; ``trace = fit(*batch, steps=None)`` updates the variables and the optimizer
+      state in place and returns a `stepfuse.Trace`. Any ``steps`` reuses the same traced
+      program; so do new batch values of the same shapes and dtypes.
+
+    Example:
+      >>> import keras, tensorflow as tf, stepfuse.tf as sf
+      >>> from stepfuse.problems import blobs
+      >>> x, y = blobs()
+      >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)])
+      >>> ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+      >>> fit = sf.fuse(lambda x, y: ce(y, model(x)), keras.optimizers.SGD(0.01), model, steps=3)
+      >>> trace = fit(x, y)                 # 3 updates, one tf.function call
+      >>> trace = fit(x, y, steps=1000)     # same program, no retrace
+    """
+    opts = check_options(steps, tol, record_every, callback, every, progress, on_nonfinite, mode)
+    if not callable(loss_fn):
+        _fail(TypeError, "loss_fn", loss_fn, "callable as loss_fn(*batch) -> scalar tensor",
+              "Pass a function that reads the variables and returns the loss.")
+    _check_optimizer(optimizer)
+    variables = _check_variables(variables)
+    if not isinstance(jit_compile, bool):
+        _fail(TypeError, "jit_compile", jit_compile, "True or False",
+              "Pass jit_compile=False to run the loop without XLA.")
+    return Fit(loss_fn, optimizer, variables, opts, jit_compile)
+
+
+fuse.__doc__ = fuse.__doc__.replace("    {options}", textwrap.indent(OPTIONS_DOC, "  "))
+
+from . import v1  # noqa: E402  (stepfuse.tf.v1, the TF1 graph-mode backend)

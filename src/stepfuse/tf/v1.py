@@ -1,0 +1,358 @@
+"""TF1 graph-mode backend: ``steps`` optimizer updates inside one ``sess.run``.
+
+``fuse(loss_fn, optimizer, steps=...)`` builds, in the current ``tf.compat.v1`` graph, one
+``tf.while_loop`` whose body holds one copy of loss -> gradients -> update; ``train_op`` and
+``losses`` are outputs of that loop. `copies_train_op` is the seed's accepted answer (N
+chained copies of the step), kept as the baseline the tests and benchmarks compare with.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from .._loop import run_stepwise
+from .._options import Options, check_int, check_options
+from . import _MIN_CHUNK, _inner_loop, _outer_loop
+from .._trace import Stop, Trace, host_trace
+
+__all__ = ["fuse", "Fused", "Stepwise", "copies_train_op"]
+
+tf1 = tf.compat.v1
+_DEFAULT_CHUNK = 1024
+
+
+def _fail(exc, name: str, value: Any, want: str, fix: str):
+    raise exc(f"`{name}` must be {want}; got {value!r} ({type(value).__name__}). {fix}")
+
+
+def _check_graph_mode() -> None:
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            "stepfuse.tf.v1.fuse builds a TF1 graph but TensorFlow is executing eagerly. "
+            "Build inside `with tf.Graph().as_default():` (and run with "
+            "tf.compat.v1.Session(graph=...)), or call tf.compat.v1.disable_eager_execution() "
+            "first; for eager TF2 / Keras use stepfuse.tf.fuse.")
+
+
+def _check_optimizer(optimizer) -> None:
+    if not isinstance(optimizer, tf1.train.Optimizer):
+        _fail(TypeError, "optimizer", optimizer, "a tf.compat.v1.train optimizer",
+              "Pass e.g. tf.compat.v1.train.GradientDescentOptimizer(0.01) or AdamOptimizer(); "
+              "Keras optimizers go to stepfuse.tf.fuse.")
+
+
+def _as_var(v):
+    """The ``tf.Variable`` behind ``v`` (Keras 3 variables wrap one in ``.value``)."""
+    if isinstance(v, tf.Variable):
+        return v
+    inner = getattr(v, "value", None)
+    if isinstance(inner, tf.Variable):
+        return inner
+    return v
+
+
+def _check_loss(loss, loss_fn):
+    try:
+        t = tf.convert_to_tensor(loss)
+    except (TypeError, ValueError):
+        _fail(TypeError, "loss_fn", loss_fn, "a function returning a scalar float tensor",
+              f"It returned {loss!r}; return e.g. tf.reduce_mean(...).")
+    if t.shape.rank != 0:
+        _fail(ValueError, "loss_fn", loss_fn, "a function returning a scalar (shape ())",
+              f"It returned a tensor of shape {t.shape}; reduce it, e.g. tf.reduce_mean(loss).")
+    if not t.dtype.is_floating:
+        _fail(TypeError, "loss_fn", loss_fn, "a function returning a floating-point scalar",
+              f"It returned dtype {t.dtype.name}; cast it, e.g. tf.cast(loss, tf.float32).")
+    return t
+
+
+def _check_var_list(var_list, given) -> list:
+    fix = ("Pass var_list=None for the graph's trainable variables, or a non-empty list of "
+           "trainable floating-point variables that loss_fn reads.")
+    if var_list is None or isinstance(var_list, (str, bytes)) or not hasattr(var_list, "__iter__"):
+        _fail(TypeError, "var_list", given, "a list of variables or None", fix)
+    var_list = [_as_var(v) for v in var_list]
+    if not var_list:
+        _fail(ValueError, "var_list", given, "a non-empty list (no trainable variables found)", fix)
+    for v in var_list:
+        if not isinstance(v, tf.Variable):
+            _fail(TypeError, "var_list", given, "a list of variables only", f"{v!r}: " + fix)
+        if not v.dtype.base_dtype.is_floating:
+            _fail(TypeError, "var_list", given, "floating-point variables",
+                  f"{v.name} has dtype {v.dtype.base_dtype.name}. " + fix)
+    return var_list
+
+
+def _all_finite(tensors) -> tf.Tensor:
+    checks = []
+    for t in tensors:
+        if t is None:
+            continue
+        if isinstance(t, tf.IndexedSlices):
+            t = t.values
+        if t.dtype.base_dtype.is_floating:
+            checks.append(tf.reduce_all(tf.math.is_finite(t)))
+    return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
+
+
+def _reuse_scope():
+    return tf1.variable_scope(tf1.get_variable_scope(), reuse=True)
+
+
+def _prepare(loss_fn, optimizer, var_list):
+    """Checks, the first (variable-creating) forward pass, the var list and the slots."""
+    _check_graph_mode()
+    if not callable(loss_fn):
+        _fail(TypeError, "loss_fn", loss_fn, "callable as loss_fn() -> scalar tensor",
+              "Pass a function that builds the loss from placeholders and variables.")
+    _check_optimizer(optimizer)
+    loss0 = _check_loss(loss_fn(), loss_fn)  # creates the variables (tf1.get_variable, layers)
+    given = var_list
+    if var_list is None:
+        var_list = tf1.trainable_variables()
+        given = f"None (trainable variables: {[v.name for v in var_list]})"
+    var_list = _check_var_list(var_list, given)
+    # Slot and non-slot variables (momentum, Adam moments and beta powers) are created
+    # here, outside the loop, so the loop body only reads and writes them.
+    create = getattr(optimizer, "_create_slots", None)
+    if create is not None:
+        with tf1.init_scope():
+            create(var_list)
+    ids = {id(v) for v in var_list}
+    state = list(var_list) + [v for v in optimizer.variables() if id(v) not in ids]
+    return loss0, var_list, state
+
+
+def _step_ops(loss_fn, optimizer, var_list, state):
+    """One guarded step: (loss, ok, applied-or-restored marker); ops ordered explicitly."""
+    with _reuse_scope():
+        loss = _check_loss(loss_fn(), loss_fn)
+        gvs = optimizer.compute_gradients(loss, var_list)
+    missing = [v.name for g, v in gvs if g is None]
+    if missing:
+        _fail(ValueError, "loss_fn", loss_fn, "a loss that depends on every variable in var_list",
+              f"No gradient reaches {missing}: use those variables in loss_fn or leave them "
+              "out of `var_list`.")
+    grads = [g for g, _ in gvs]
+    with tf.control_dependencies([loss] + [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]):
+        snapshot = [tf.identity(v.read_value()) for v in state]
+    with tf.control_dependencies(snapshot + [loss]):
+        apply = optimizer.apply_gradients(gvs)
+    with tf.control_dependencies([apply]):
+        new = [tf.identity(v.read_value()) for v in state]
+    return loss, grads, snapshot, new
+
+
+class Fused:
+    """The fused loop built by `fuse` (mode ``"fused"``): one ``sess.run`` runs the steps.
+
+    Attributes:
+      train_op: runs the loop (``steps`` guarded updates); same loop as ``losses``.
+      losses: float32 vector of the recorded losses of that run (``loss[j]`` is the loss
+        before update ``j * record_every``; after a non-finite stop the refused loss is last).
+      steps_taken: int32, updates applied in that run. stop: int32 `stepfuse.Stop` code.
+      steps: the int32 tensor giving the number of steps (a ``placeholder_with_default``
+        when ``steps`` was a Python int: feed it to change the count without rebuilding).
+      loss: the loss at the current variables (the forward pass that created them).
+      var_list, state: the trained variables; those plus the optimizer's variables.
+    """
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+    def run(self, sess, feed_dict: Optional[Dict] = None, steps: Optional[int] = None) -> Trace:
+        """Run the loop once in ``sess`` and return the host `stepfuse.Trace`."""
+        feed = dict(feed_dict or {})
+        if steps is not None:
+            feed[self.steps] = _check_run_steps(steps)
+        losses, applied, stop, _ = sess.run([self.losses, self.steps_taken, self.stop, self.train_op], feed)
+        return host_trace(losses, int(applied), int(stop), self.opts.record_every)
+
+
+class Stepwise:
+    """The stepwise reference (mode ``"stepwise"``): one guarded step per ``sess.run``.
+
+    ``run(sess, feed_dict, steps)`` drives single steps with the shared driver
+    (`stepfuse._loop.run_stepwise`): each step proposes the update (applies it, reads the
+    new state, restores the old one), then commits it only if everything was finite.
+    """
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+    def run(self, sess, feed_dict: Optional[Dict] = None, steps: Optional[int] = None) -> Trace:
+        """Run ``steps`` (default: the built ``steps``) single steps; returns the `Trace`."""
+        n = self.opts.steps if steps is None else _check_run_steps(steps)
+        feed = dict(feed_dict or {})
+
+        def propose():
+            loss, finite, new = sess.run([self.loss_t, self.finite, self.new], feed)
+            return float(loss), bool(finite), new
+
+        def commit(new):
+            sess.run(self.commit_op, dict(zip(self.placeholders, new)))
+
+        return run_stepwise(propose, commit, n, self.opts, 0)
+
+
+def _check_run_steps(steps) -> int:
+    from .._options import check_steps
+
+    return check_steps(steps)
+
+
+def fuse(
+    loss_fn: Callable[[], Any],
+    optimizer,
+    *,
+    steps,
+    var_list: Optional[List] = None,
+    tol: Optional[float] = None,
+    record_every: int = 1,
+    mode: str = "fused",
+    jit_compile: bool = True,
+    chunk: Optional[int] = None,
+):
+    """Build ``steps`` TF1 optimizer updates that run inside one ``sess.run``.
+
+    Call in graph mode (``tf.compat.v1.disable_eager_execution()``, or inside
+    ``with tf.Graph().as_default():``). The graph gets one copy of loss -> gradients ->
+    update inside a ``tf.while_loop``, whatever ``steps`` is; the gradient is recomputed
+    at the current variables at every step; the fed batch is read once per run.
+
+    Args:
+      loss_fn: ``loss_fn()`` builds the scalar loss from placeholders and variables. It is
+        called once outside the loop (creating the variables: ``tf1.get_variable``, Keras
+        layers) and once inside it (reusing them).
+      optimizer: a ``tf.compat.v1.train`` optimizer (GradientDescent, Momentum, Adam,
+        RMSProp...); its slot variables are created outside the loop.
+      steps: updates per run: a Python int ``>= 1`` (fed to a
+        ``placeholder_with_default``, so ``{fused.steps: n}`` changes it per run) or an
+        int32 scalar tensor such as a placeholder.
+      var_list: the variables to train; ``None`` means the graph's trainable variables.
+      tol: stop the loop once ``abs(loss[i] - loss[i-1]) <= tol``; ``None`` never stops early.
+      record_every: keep every k-th loss in ``losses``.
+      mode: ``"fused"`` (the while loop) or ``"stepwise"`` (one guarded step per
+        ``sess.run``, the reference; returns a `Stepwise` with ``run``).
+      jit_compile: XLA-compile the step loop (default; ~50x faster per step than a
+        plain graph loop on CPU). An op XLA can't compile makes the first ``sess.run``
+        fail with an XLA error: rebuild with ``jit_compile=False``.
+      chunk: the most steps one compiled inner loop runs (XLA needs a static-size loss
+        buffer); longer runs chain chunks inside the same ``sess.run``. Default: ``steps``
+        (at least 256) for an int ``steps``, 1024 for a tensor.
+
+    Returns:
+      a `Fused` with ``train_op``, ``losses``, ``steps_taken``, ``stop`` (outputs of one
+      loop) and ``run(sess, feed_dict, steps=None) -> Trace``. A non-finite loss, gradient,
+      new variable or optimizer state stops the loop without applying that update
+      (``stop == Stop.NONFINITE``).
+
+    Example:
+      >>> g = tf.Graph()
+      >>> with g.as_default():
+      ...     x = tf1.placeholder(tf.float32, [None, 2]); y = tf1.placeholder(tf.int32, [None])
+      ...     def loss_fn():
+      ...         w = tf1.get_variable("w", initializer=tf.ones([2, 2]))
+      ...         logits = tf.matmul(x, w)
+      ...         return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+      ...     fused = fuse(loss_fn, tf1.train.GradientDescentOptimizer(0.01), steps=3)
+      ...     init = tf1.global_variables_initializer()
+      >>> with tf1.Session(graph=g) as sess:
+      ...     sess.run(init)
+      ...     losses, _ = sess.run([fused.losses, fused.train_op], {x: xs, y: ys})  # 3 steps
+    """
+    steps_given = steps
+    if not isinstance(jit_compile, bool):
+        _fail(TypeError, "jit_compile", jit_compile, "True or False",
+              "Pass jit_compile=False to run the loop without XLA.")
+    if isinstance(steps, (tf.Tensor, tf.Variable)):
+        if not steps.dtype.base_dtype.is_integer or (steps.shape.rank not in (None, 0)):
+            _fail(TypeError, "steps", steps, "an int >= 1 or a scalar integer tensor",
+                  "Pass e.g. steps=100 or steps=tf.compat.v1.placeholder(tf.int32, []).")
+        opts = check_options(1, tol, record_every, mode=mode)
+    else:
+        opts = check_options(steps, tol, record_every, mode=mode)
+    loss0, var_list, state = _prepare(loss_fn, optimizer, var_list)
+    if mode == "stepwise":
+        return _build_stepwise(loss_fn, optimizer, var_list, state, opts, loss0)
+    if isinstance(steps_given, (tf.Tensor, tf.Variable)):
+        n = tf.cast(steps_given, tf.int32)
+    else:
+        n = tf1.placeholder_with_default(np.int32(opts.steps), [], name="stepfuse_steps")
+    if chunk is None:
+        chunk = max(opts.steps, _MIN_CHUNK) if isinstance(steps_given, int) else _DEFAULT_CHUNK
+    chunk = check_int(chunk, "chunk", "Pass the most steps one compiled inner loop runs, e.g. chunk=1000.")
+    cap = -(-chunk // opts.record_every)
+
+    def step():
+        loss, grads, snapshot, new = _step_ops(loss_fn, optimizer, var_list, state)
+        ok = tf.logical_and(_all_finite([loss] + grads), _all_finite(new))
+
+        def keep():
+            return tf.constant(True)
+
+        def restore():
+            with tf.control_dependencies([v.assign(old) for v, old in zip(state, snapshot)]):
+                return tf.constant(False)
+
+        with tf.control_dependencies(new):
+            ok = tf.cond(ok, keep, restore)
+        return loss, ok
+
+    def inner_py(m, i0, prev, step0):
+        return _inner_loop(step, m, i0, prev, step0, opts, cap)
+
+    # The inner loop is a tf.function (XLA-compiled by default) called from this graph:
+    # it captures the placeholders and variables; automatic control dependencies order
+    # every read and write inside it. The outer loop over chunks is a plain graph loop.
+    inner = tf.function(inner_py, jit_compile=bool(jit_compile), autograph=False)
+    with tf1.name_scope("stepfuse_loop"):
+        losses, applied, stop = _outer_loop(inner, n, tf.constant(0, tf.int64), opts, chunk)
+        train_op = tf.group(applied, stop, losses, name="train_op")
+    return Fused(train_op=train_op, losses=losses, steps_taken=applied, stop=stop, steps=n,
+                 loss=loss0, var_list=var_list, state=state, opts=opts, optimizer=optimizer,
+                 jit_compile=bool(jit_compile), chunk=chunk)
+
+
+def _build_stepwise(loss_fn, optimizer, var_list, state, opts: Options, loss0):
+    loss, grads, snapshot, new = _step_ops(loss_fn, optimizer, var_list, state)
+    finite = tf.logical_and(_all_finite([loss] + grads), _all_finite(new))
+    with tf.control_dependencies(new + [finite, loss]):
+        restore = tf.group(*[v.assign(old) for v, old in zip(state, snapshot)])
+    with tf.control_dependencies([restore]):
+        loss_out, finite_out = tf.identity(loss), tf.identity(finite)
+        new_out = [tf.identity(t) for t in new]
+    placeholders = [tf1.placeholder(v.dtype.base_dtype, v.shape) for v in state]
+    commit_op = tf.group(*[v.assign(p) for v, p in zip(state, placeholders)])
+    return Stepwise(loss_t=loss_out, finite=finite_out, new=new_out, placeholders=placeholders,
+                    commit_op=commit_op, loss=loss0, var_list=var_list, state=state, opts=opts,
+                    optimizer=optimizer)
+
+
+def copies_train_op(loss_fn: Callable[[], Any], optimizer, n: int, var_list=None):
+    """The seed's accepted answer: ``n`` chained copies of loss -> gradients -> update.
+
+    Each copy's loss is built under a control dependency on the previous copy's update,
+    so every gradient is taken at the updated variables. The graph grows with ``n``
+    (this is the baseline `fuse` replaces). Returns ``(train_op, losses)`` where
+    ``losses`` is the list of the ``n`` per-step loss tensors.
+
+    Example:
+      >>> train_op, losses = copies_train_op(loss_fn, tf1.train.GradientDescentOptimizer(0.01), 3)
+    """
+    _check_graph_mode()
+    prev, losses = [], []
+    with tf1.variable_scope(tf1.get_variable_scope(), reuse=tf1.AUTO_REUSE):
+        for _ in range(n):
+            with tf.control_dependencies(prev):
+                loss = loss_fn()
+                if var_list is None:
+                    var_list = tf1.trainable_variables()
+                gvs = optimizer.compute_gradients(loss, var_list)
+                prev = [optimizer.apply_gradients(gvs)]
+                losses.append(loss)
+    return prev[0], losses

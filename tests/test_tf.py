@@ -1,0 +1,283 @@
+"""stepfuse.tf (TF2 / Keras): equivalence with GradientTape training, no retrace, stops, errors."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import stepfuse.tf as sf
+from stepfuse import NonFiniteError, Stop
+from tf_helpers import LN2, OPTIMIZERS, Perceptron, make_problem, reference_steps, seed_data, values
+
+# float32 on CPU: XLA fuses/reassociates reductions, so single losses differ by ~1 ulp from
+# eager TF (e.g. ln 2 = 0.6931474 vs 0.6931472); rtol=1e-6 is the project's contract.
+RTOL, ATOL = 1e-6, 1e-7
+CALLS = (3, 1, 5)  # several calls with different steps, one program
+
+
+@pytest.fixture(scope="module")
+def data():
+    x, y = seed_data()
+    return tf.constant(x), tf.constant(y)
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["xla", "noxla"])
+@pytest.mark.parametrize("problem", ["perceptron", "mlp"])
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_fused_equals_gradient_tape_loop(opt, problem, jit, data):
+    x, y = data
+    _, ref_vars, ref_loss = make_problem(problem)
+    ref_opt = OPTIMIZERS[opt]()
+    ref_losses = reference_steps(ref_loss, ref_opt, ref_vars, x, y, sum(CALLS))
+
+    _, variables, loss_fn = make_problem(problem)
+    optimizer = OPTIMIZERS[opt]()
+    fit = sf.fuse(loss_fn, optimizer, variables, steps=max(CALLS), jit_compile=jit)
+    losses = []
+    for n in CALLS:
+        trace = fit(x, y, steps=n)
+        assert trace.steps == n and trace.stop == Stop.STEPS and trace.loss.shape == (n,)
+        losses.append(trace.loss)
+    np.testing.assert_allclose(np.concatenate(losses), ref_losses, rtol=RTOL, atol=ATOL)
+    for a, b in zip(values(variables), values(ref_vars)):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+    for a, b in zip(values(optimizer.variables), values(ref_opt.variables)):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+    assert int(optimizer.iterations) == sum(CALLS) == fit.step
+    assert fit.traces == 1
+    if problem == "perceptron":
+        assert abs(losses[0][0] - LN2) < 1e-6
+
+
+def test_seed_table_three_step_rows_equal_every_third_one_step_row(data):
+    x, y = data
+    one = Perceptron()
+    fit1 = sf.fuse(lambda x, y: tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, one(x))),
+                   keras.optimizers.SGD(0.01), one, steps=1)
+    rows1 = [fit1(x, y).loss[0] for _ in range(30)]
+    three = Perceptron()
+    fit3 = sf.fuse(lambda x, y: tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, three(x))),
+                   keras.optimizers.SGD(0.01), three, steps=3)
+    rows3 = [fit3(x, y).loss[0] for _ in range(10)]
+    np.testing.assert_allclose(rows3, rows1[::3], rtol=RTOL, atol=1e-6)
+    assert abs(rows1[0] - LN2) < 1e-6 and rows3[1] < rows3[0]
+
+
+def test_no_retrace_across_steps_and_new_batch_values(data):
+    x, y = data
+    model, variables, loss_fn = make_problem("perceptron")
+    runs = []
+
+    def counted(x, y):
+        runs.append(1)
+        return loss_fn(x, y)
+
+    fit = sf.fuse(counted, keras.optimizers.Adam(0.01), variables, steps=4)
+    fit(x, y)
+    first = len(runs)
+    rng = np.random.default_rng(1)
+    for n in (1, 7, 50, 4):
+        fit(tf.constant(rng.standard_normal(x.shape).astype(np.float32)), y, steps=n)
+    fit(x.numpy(), y.numpy(), steps=2)
+    assert fit.traces == 1 and len(runs) == first
+    assert fit.step == 4 + 1 + 7 + 50 + 4 + 2
+
+
+def test_stepwise_mode_is_the_same_loop(data):
+    x, y = data
+    _, va, la = make_problem("mlp")
+    _, vb, lb = make_problem("mlp")
+    fa = sf.fuse(la, keras.optimizers.Adam(0.05), va, steps=5, record_every=2)
+    fb = sf.fuse(lb, keras.optimizers.Adam(0.05), vb, steps=5, record_every=2, mode="stepwise")
+    for n in (5, 3):
+        ta, tb = fa(x, y, steps=n), fb(x, y, steps=n)
+        assert ta.steps == tb.steps == n and len(ta.loss) == len(tb.loss) == math.ceil(n / 2)
+        np.testing.assert_allclose(ta.loss, tb.loss, rtol=RTOL, atol=ATOL)
+    for a, b in zip(values(va), values(vb)):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("mode", ["fused", "stepwise"])
+def test_tol_stops_early_like_the_stepwise_oracle(mode, data):
+    x, y = data
+    _, va, la = make_problem("perceptron")
+    _, vb, lb = make_problem("perceptron")
+    fit = sf.fuse(la, keras.optimizers.SGD(0.5), va, steps=500, tol=1e-4, mode=mode)
+    ref = sf.fuse(lb, keras.optimizers.SGD(0.5), vb, steps=500, tol=1e-4, mode="stepwise")
+    trace, expect = fit(x, y), ref(x, y)
+    assert trace.stop == expect.stop == Stop.TOL
+    assert 1 < trace.steps == expect.steps < 500
+    assert abs(trace.loss[-1] - trace.loss[-2]) <= 1e-4 and len(trace.loss) == trace.steps
+    np.testing.assert_allclose(trace.loss, expect.loss, rtol=RTOL, atol=ATOL)
+
+
+def _quadratic(start, dtype=np.float32):
+    w = tf.Variable(np.asarray(start, dtype))
+    return w, (lambda: tf.reduce_sum(w * w))
+
+
+@pytest.mark.parametrize("mode", ["fused", "stepwise"])
+def test_nonfinite_loss_stops_without_applying(mode):
+    # SGD lr=10 on sum(w^2): w <- -19 w, the loss overflows float32 after a few dozen steps.
+    w, loss = _quadratic([1.0, -2.0])
+    opt = keras.optimizers.SGD(10.0, momentum=0.5)
+    fit = sf.fuse(loss, opt, [w], steps=100, mode=mode)
+    trace = fit()
+    assert trace.stop == Stop.NONFINITE and 0 < trace.steps < 100
+    assert not np.isfinite(trace.loss[-1]) and len(trace.loss) == trace.steps + 1
+    # The oracle: the same optimizer stepped eagerly exactly trace.steps times.
+    w_ref, loss_ref = _quadratic([1.0, -2.0])
+    opt_ref = keras.optimizers.SGD(10.0, momentum=0.5)
+    reference_steps(lambda *_: loss_ref(), opt_ref, [w_ref], None, None, trace.steps)
+    np.testing.assert_array_equal(w.numpy(), w_ref.numpy())
+    for a, b in zip(values(opt.variables), values(opt_ref.variables)):
+        np.testing.assert_array_equal(a, b)
+    assert int(opt.iterations) == trace.steps == fit.step
+    assert np.all(np.isfinite(w.numpy()))
+    again = fit(steps=5)  # starts finite, refuses the same update again
+    assert again.steps == 0 and again.stop == Stop.NONFINITE and fit.step == trace.steps
+
+
+@pytest.mark.parametrize("mode", ["fused", "stepwise"])
+def test_nonfinite_proposed_update_is_refused_and_raise_mode(mode):
+    # Finite loss and gradient, but lr=1e30 makes the new parameters inf: nothing changes.
+    w, loss = _quadratic([1e9, 1e9])
+    opt = keras.optimizers.SGD(1e30, momentum=0.9)
+    fit = sf.fuse(loss, opt, [w], steps=10, mode=mode, on_nonfinite="raise")
+    slots = values(opt.variables)
+    with pytest.raises(NonFiniteError) as err:
+        fit()
+    assert err.value.step == 0 and err.value.trace.steps == 0
+    np.testing.assert_array_equal(w.numpy(), [1e9, 1e9])
+    for a, b in zip(values(opt.variables), slots):
+        np.testing.assert_array_equal(a, b)
+    assert int(opt.iterations) == 0
+
+
+def test_callback_fires_inside_the_loop_at_global_steps(data):
+    x, y = data
+    _, variables, loss_fn = make_problem("perceptron")
+    seen = []
+    fit = sf.fuse(loss_fn, keras.optimizers.SGD(0.01), variables, steps=7, every=3,
+                  callback=lambda step, loss: seen.append((step, loss)))
+    t1 = fit(x, y)
+    t2 = fit(x, y, steps=5)
+    losses = np.concatenate([t1.loss, t2.loss])
+    assert [s for s, _ in seen] == [3, 6, 9, 12]
+    np.testing.assert_allclose([l for _, l in seen], losses[[2, 5, 8, 11]], rtol=1e-7)
+
+
+def test_raising_callback_reaches_the_caller(data):
+    x, y = data
+    _, variables, loss_fn = make_problem("perceptron")
+
+    class Boom(Exception):
+        pass
+
+    def callback(step, loss):
+        if step == 4:
+            raise Boom(f"stop at {step}")
+
+    fit = sf.fuse(loss_fn, keras.optimizers.SGD(0.01), variables, steps=10, every=2, callback=callback)
+    with pytest.raises(Boom, match="stop at 4"):
+        fit(x, y)
+    assert fit.step == 4
+
+
+def test_progress_bar_runs():
+    w, loss = _quadratic([1.0, 2.0])
+    fit = sf.fuse(loss, keras.optimizers.SGD(0.01), [w], steps=20, progress=True)
+    assert fit().steps == 20
+
+
+def test_uncompilable_op_falls_back_without_xla_with_a_warning(data):
+    x, y = data
+    model, variables, loss_fn = make_problem("perceptron")
+    scale = lambda a: (a * 1.0).astype(np.float32)  # noqa: E731
+
+    def loss_np(x, y):
+        return loss_fn(tf.reshape(tf.numpy_function(scale, [x], tf.float32), x.shape), y)
+
+    fit = sf.fuse(loss_np, keras.optimizers.SGD(0.01), variables, steps=3)
+    with pytest.warns(RuntimeWarning, match="XLA"):
+        trace = fit(x, y)
+    assert not fit.jit_compile and trace.steps == 3 and abs(trace.loss[0] - LN2) < 1e-6
+    assert fit(x, y).steps == 3
+
+
+def test_keras_model_and_tf_module_as_variables(data):
+    x, y = data
+    model, _, loss_fn = make_problem("mlp")
+    fit = sf.fuse(loss_fn, keras.optimizers.SGD(0.01), model, steps=2)
+    assert len(fit.variables) == 4 and fit(x, y).steps == 2
+    mod, _, loss_fn = make_problem("perceptron")
+    fit = sf.fuse(loss_fn, keras.optimizers.SGD(0.01), mod, steps=2)
+    assert len(fit.variables) == 2 and fit(x, y).steps == 2
+
+
+# -- bad input: every error names the argument; nothing changes ---------------------------
+
+
+class _NotKeras:
+    def update(self, grads, state):  # looks like an optax transformation
+        return grads, state
+
+
+@pytest.mark.parametrize("bad", [_NotKeras(), tf.compat.v1.train.GradientDescentOptimizer(0.1), "adam"])
+def test_optimizer_not_keras_is_rejected(bad):
+    w, loss = _quadratic([1.0])
+    with pytest.raises(TypeError, match="`optimizer`.*keras.optimizers.SGD"):
+        sf.fuse(loss, bad, [w], steps=3)
+
+
+@pytest.mark.parametrize("case", ["empty", "not_trainable", "integer", "not_a_variable", "unbuilt_model"])
+def test_bad_variables_are_rejected(case):
+    bad = {
+        "empty": [],
+        "not_trainable": [tf.Variable([1.0], trainable=False)],
+        "integer": [tf.Variable([1, 2])],
+        "not_a_variable": [tf.constant([1.0])],
+        "unbuilt_model": keras.Sequential([keras.layers.Dense(2)]),
+    }[case]
+    with pytest.raises((TypeError, ValueError), match="`variables`") as err:
+        sf.fuse(lambda: tf.constant(1.0), keras.optimizers.SGD(0.1), bad, steps=3)
+    assert "got" in str(err.value) and "Pass" in str(err.value) or "Build" in str(err.value)
+
+
+@pytest.mark.parametrize("kwargs, name", [({"steps": 0}, "steps"), ({"steps": 3, "tol": -1.0}, "tol"),
+                                          ({"steps": 3, "record_every": 0}, "record_every"),
+                                          ({"steps": 3, "every": 2}, "every"),
+                                          ({"steps": 3, "jit_compile": "yes"}, "jit_compile")])
+def test_bad_options_are_rejected(kwargs, name):
+    w, loss = _quadratic([1.0])
+    with pytest.raises((TypeError, ValueError), match=f"`{name}`"):
+        sf.fuse(loss, keras.optimizers.SGD(0.1), [w], **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["fused", "stepwise"])
+@pytest.mark.parametrize("case", ["vector", "integer", "no_gradient"])
+def test_bad_loss_fn_is_rejected_before_any_update(case, mode):
+    w = tf.Variable([1.0, 2.0])
+    v = tf.Variable([3.0])
+    loss = {
+        "vector": lambda: w * w,
+        "integer": lambda: tf.cast(tf.reduce_sum(w), tf.int32),
+        "no_gradient": lambda: tf.reduce_sum(w * w),  # never reads v
+    }[case]
+    opt = keras.optimizers.SGD(0.1, momentum=0.9)
+    fit = sf.fuse(loss, opt, [w, v], steps=3, mode=mode)
+    with pytest.raises((TypeError, ValueError), match="`loss_fn`"):
+        fit()
+    np.testing.assert_array_equal(w.numpy(), [1.0, 2.0])
+    np.testing.assert_array_equal(v.numpy(), [3.0])
+    assert int(opt.iterations) == 0 and fit.step == 0
+
+
+def test_call_steps_rejected():
+    w, loss = _quadratic([1.0])
+    fit = sf.fuse(loss, keras.optimizers.SGD(0.1), [w], steps=3)
+    with pytest.raises(ValueError, match="`steps`"):
+        fit(steps=0)
+    np.testing.assert_array_equal(w.numpy(), [1.0])

@@ -1,0 +1,241 @@
+"""stepfuse.tf.v1 (TF1 graph mode, sess.run): the seed, graph size, optimizers, stops, errors.
+
+Every graph is built inside ``with tf.Graph().as_default():`` and run with
+``tf.compat.v1.Session(graph=...)``, so eager execution stays on for the TF2 tests.
+"""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import stepfuse.tf.v1 as v1
+from stepfuse import Stop
+from tf_helpers import LN2, seed_data, seed_graph, sparse_ce
+
+tf1 = tf.compat.v1
+XS, YS = seed_data()
+
+V1_OPTIMIZERS = {
+    "gd": lambda: tf1.train.GradientDescentOptimizer(0.01),
+    "momentum_nesterov": lambda: tf1.train.MomentumOptimizer(0.05, 0.9, use_nesterov=True),
+    "adam": lambda: tf1.train.AdamOptimizer(0.05),
+    "rmsprop": lambda: tf1.train.RMSPropOptimizer(0.01, momentum=0.5),
+}
+
+
+def feed(x, y):
+    return {x: XS, y: YS}
+
+
+def test_seed_three_steps_per_run_equals_one_step_runs_and_n_copies():
+    g1, s1, f1, x1, y1 = seed_graph(1)
+    table1 = [s1.run([f1.losses, f1.train_op], feed(x1, y1))[0][0] for _ in range(30)]
+    g3, s3, f3, x3, y3 = seed_graph(3)
+    runs3 = [s3.run([f3.losses, f3.train_op], feed(x3, y3))[0] for _ in range(10)]
+    table3 = [r[0] for r in runs3]
+    assert abs(table1[0] - LN2) < 1e-6 and abs(table3[0] - LN2) < 1e-6
+    np.testing.assert_allclose(table3, table1[::3], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(np.concatenate(runs3), table1, rtol=0, atol=1e-6)
+    # The accepted answer: N=3 chained copies of loss -> gradients -> update.
+    gc, sc, (train_op, losses), xc, yc = seed_graph(3, kind="copies")
+    copies = [sc.run(losses + [train_op], feed(xc, yc))[:3] for _ in range(10)]
+    np.testing.assert_allclose(np.concatenate(copies), np.concatenate(runs3), rtol=0, atol=1e-6)
+    for a, b in zip(s3.run(f3.var_list), sc.run(gc.get_collection("trainable_variables"))):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    assert table1[3] < table1[0]  # it trains
+
+
+def test_fetching_train_op_and_losses_runs_the_loop_once():
+    g, s, f, x, y = seed_graph(3)
+    losses, _, taken = s.run([f.losses, f.train_op, f.steps_taken], feed(x, y))
+    gr, sr, fr, xr, yr = seed_graph(3, kind="stepwise")
+    fr.run(sr, feed(xr, yr), steps=3)
+    assert taken == 3 and losses.shape == (3,)
+    for a, b in zip(s.run(f.var_list), sr.run(fr.var_list)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_graph_size_does_not_grow_with_steps():
+    sizes = []
+    for steps in (3, 300):
+        g, s, f, x, y = seed_graph(steps)
+        gd = g.as_graph_def()
+        loop_nodes = sum(len(fn.node_def) for fn in gd.library.function)  # while-loop bodies
+        sizes.append((len(g.get_operations()), len(gd.node), loop_nodes))
+    assert sizes[0] == sizes[1] and sizes[0][2] > 0
+    copies = [len(seed_graph(n, kind="copies")[0].get_operations()) for n in (3, 30)]
+    assert copies[1] > 5 * copies[0]  # the baseline grows
+
+
+def test_steps_placeholder_changes_steps_per_run_without_rebuilding():
+    # One graph whose steps is an int32 placeholder, fed 1, 3, 300.
+    from stepfuse.problems import perceptron_init
+
+    p = perceptron_init()
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 2])
+        y = tf1.placeholder(tf.int32, [None])
+        n_ph = tf1.placeholder(tf.int32, [])
+
+        def loss_fn():
+            k = tf1.get_variable("kernel", initializer=p["kernel"])
+            b = tf1.get_variable("bias", initializer=p["bias"])
+            return sparse_ce(y, tf.matmul(x, k) + b)
+
+        f = v1.fuse(loss_fn, tf1.train.GradientDescentOptimizer(0.01), steps=n_ph)
+        init = tf1.global_variables_initializer()
+    s = tf1.Session(graph=g)
+    s.run(init)
+    ops_before = len(g.get_operations())
+    gr, sr, fr, xr, yr = seed_graph(1, kind="stepwise")
+    for n in (1, 3, 300):
+        losses, _ = s.run([f.losses, f.train_op], {x: XS, y: YS, n_ph: n})
+        ref = fr.run(sr, feed(xr, yr), steps=n)
+        assert losses.shape == (n,)
+        np.testing.assert_allclose(losses, ref.loss, rtol=1e-6, atol=1e-7)
+        for a, b in zip(s.run(f.var_list), sr.run(fr.var_list)):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert len(g.get_operations()) == ops_before
+    # The int form feeds its own placeholder_with_default the same way.
+    g2, s2, f2, x2, y2 = seed_graph(3)
+    assert f2.run(s2, feed(x2, y2), steps=5).steps == 5 and s2.run(f2.steps) == 3
+
+
+def _keras_or_variable_graph(opt_fn, kind, steps, use_keras):
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 2])
+        y = tf1.placeholder(tf.int32, [None])
+        if use_keras:
+            hidden = keras.layers.Dense(8, activation="tanh",
+                                        kernel_initializer=keras.initializers.GlorotUniform(seed=0))
+            out = keras.layers.Dense(2, kernel_initializer="ones")
+            tf1.set_random_seed(0)
+
+            def loss_fn():
+                return sparse_ce(y, out(hidden(x)))
+        else:
+
+            def loss_fn():
+                k = tf1.get_variable("k", initializer=tf.constant([[1.0, 0.5], [-0.5, 1.0]]))
+                b = tf1.get_variable("b", initializer=tf.zeros([2]))
+                return sparse_ce(y, tf.matmul(x, k) + b)
+
+        f = v1.fuse(loss_fn, opt_fn(), steps=steps, mode=kind)
+        init = tf1.global_variables_initializer()
+    s = tf1.Session(graph=g)
+    s.run(init)
+    return g, s, f, x, y
+
+
+@pytest.mark.parametrize("use_keras", [False, True], ids=["get_variable", "keras_layers"])
+@pytest.mark.parametrize("opt", list(V1_OPTIMIZERS))
+def test_optimizers_with_slots_match_the_stepwise_reference(opt, use_keras):
+    g, s, f, x, y = _keras_or_variable_graph(V1_OPTIMIZERS[opt], "fused", 4, use_keras)
+    gr, sr, fr, xr, yr = _keras_or_variable_graph(V1_OPTIMIZERS[opt], "stepwise", 4, use_keras)
+    if use_keras:  # same random initial weights in both graphs
+        with gr.as_default():
+            sr.run([a.assign(b) for a, b in zip(fr.var_list, s.run(f.var_list))])
+    losses = np.concatenate([f.run(s, feed(x, y), steps=n).loss for n in (4, 1, 3)])
+    ref = fr.run(sr, feed(xr, yr), steps=8)
+    np.testing.assert_allclose(losses, ref.loss, rtol=1e-6, atol=1e-7)
+    assert len(f.state) == len(fr.state)
+    assert (len(f.state) > len(f.var_list)) == (opt != "gd")  # slots live outside the loop
+    for a, b in zip(s.run(f.state), sr.run(fr.state)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_tol_stops_early_like_the_stepwise_oracle():
+    g, s, f, x, y = seed_graph(2000, tol=1e-5, optimizer=lambda: tf1.train.GradientDescentOptimizer(0.5))
+    gr, sr, fr, xr, yr = seed_graph(2000, kind="stepwise", tol=1e-5,
+                                    optimizer=lambda: tf1.train.GradientDescentOptimizer(0.5))
+    trace, ref = f.run(s, feed(x, y)), fr.run(sr, feed(xr, yr))
+    assert trace.stop == ref.stop == Stop.TOL and 1 < trace.steps == ref.steps < 2000
+    np.testing.assert_allclose(trace.loss, ref.loss, rtol=1e-6, atol=1e-7)
+
+
+def _quadratic_graph(kind, lr, start, steps):
+    g = tf.Graph()
+    with g.as_default():
+        def loss_fn():
+            w = tf1.get_variable("w", initializer=tf.constant(start))
+            return tf.reduce_sum(w * w)
+
+        f = v1.fuse(loss_fn, tf1.train.MomentumOptimizer(lr, 0.5), steps=steps, mode=kind)
+        init = tf1.global_variables_initializer()
+    s = tf1.Session(graph=g)
+    s.run(init)
+    return s, f
+
+
+@pytest.mark.parametrize("lr, start", [(10.0, [1.0, -2.0]), (1e30, [1e9, 1e9])], ids=["loss_inf", "update_inf"])
+def test_nonfinite_stops_without_applying(lr, start):
+    s, f = _quadratic_graph("fused", lr, start, 100)
+    sr, fr = _quadratic_graph("stepwise", lr, start, 100)
+    trace, ref = f.run(s), fr.run(sr)
+    assert trace.stop == ref.stop == Stop.NONFINITE and trace.steps == ref.steps < 100
+    # XLA (fused) vs plain graph ops (stepwise): float32 rounding differs by ~3e-7 relative.
+    np.testing.assert_allclose(trace.loss, ref.loss, rtol=1e-6)
+    for a, b in zip(s.run(f.state), sr.run(fr.state)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+        assert np.all(np.isfinite(a))
+    if lr == 1e30:
+        assert trace.steps == 0
+        np.testing.assert_array_equal(s.run(f.var_list[0]), start)
+
+
+# -- bad input ------------------------------------------------------------------------------
+
+
+def test_eager_mode_is_rejected_with_the_fix():
+    with pytest.raises(RuntimeError, match="tf.Graph\\(\\).as_default"):
+        v1.fuse(lambda: tf.constant(1.0), tf1.train.GradientDescentOptimizer(0.1), steps=3)
+
+
+def _build_in_graph(loss_fn, optimizer=None, **kw):
+    with tf.Graph().as_default():
+        return v1.fuse(loss_fn(), optimizer or tf1.train.GradientDescentOptimizer(0.1), **kw)
+
+
+def _w():
+    return tf1.get_variable("w", initializer=tf.constant([1.0, 2.0]))
+
+
+@pytest.mark.parametrize("case, name", [
+    ("keras_optimizer", "optimizer"), ("vector_loss", "loss_fn"), ("int_loss", "loss_fn"),
+    ("no_gradient", "loss_fn"), ("empty_var_list", "var_list"), ("int_var", "var_list"),
+    ("steps_zero", "steps"), ("steps_float_tensor", "steps"), ("tol", "tol"),
+])
+def test_bad_input_names_the_argument(case, name):
+    with tf.Graph().as_default():
+        opt = tf1.train.GradientDescentOptimizer(0.1)
+        kw = {"steps": 3}
+        loss = lambda: tf.reduce_sum(_w() ** 2)  # noqa: E731
+        if case == "keras_optimizer":
+            opt = keras.optimizers.SGD(0.1)
+        elif case == "vector_loss":
+            loss = lambda: _w() ** 2  # noqa: E731
+        elif case == "int_loss":
+            loss = lambda: tf.cast(tf.reduce_sum(_w()), tf.int32)  # noqa: E731
+        elif case == "no_gradient":
+            v = tf1.get_variable("v", initializer=tf.constant([3.0]))
+            w = _w()
+            kw["var_list"] = [v, w]
+            loss = lambda: tf.reduce_sum(w ** 2)  # noqa: E731  (never reads v)
+        elif case == "empty_var_list":
+            kw["var_list"] = []
+        elif case == "int_var":
+            kw["var_list"] = [tf1.get_variable("i", initializer=tf.constant([1]), dtype=tf.int32)]
+        elif case == "steps_zero":
+            kw["steps"] = 0
+        elif case == "steps_float_tensor":
+            kw["steps"] = tf1.placeholder(tf.float32, [])
+        elif case == "tol":
+            kw["tol"] = -1.0
+        with pytest.raises((TypeError, ValueError), match=f"`{name}`") as err:
+            v1.fuse(loss, opt, **kw)
+    assert "got" in str(err.value)
