@@ -11,7 +11,7 @@ import math
 import numbers
 from typing import Any, Callable, Optional
 
-__all__ = ["Options", "check_options", "check_call_steps", "OPTIONS_DOC"]
+__all__ = ["Options", "check_options", "check_call_steps", "check_int", "check_steps", "check_tol", "OPTIONS_DOC"]
 
 OPTIONS_DOC = """\
     steps: updates per call, an ``int >= 1``; a call may pass ``steps=n`` to run

@@ -1,0 +1,763 @@
+"""PyTorch backend: many ``torch.optim`` steps inside one compiled program.
+
+``fuse(loss_fn, optimizer, steps=...)`` returns a `FusedFit`; ``fit(*batch)`` runs the
+steps and updates the model's parameters and ``optimizer.state`` in place, so the
+model and optimizer carry on with ordinary PyTorch afterwards.
+
+How the fused mode works (CPU): one ``torch.compile`` (inductor, C++ wrapper) of a
+``while_loop`` whose body is a fixed chunk of ``chunk`` masked steps. Each step
+evaluates loss and gradients at the current parameters (``torch.func.grad_and_value``
+over ``torch.func.functional_call``), proposes the update with the optimizer's own
+single-tensor update function (``torch.optim.adam.adam`` & co.) on copies, and keeps
+it only if everything is finite. The loop bound is a tensor, so any ``steps`` runs on
+the same program: compile time does not grow with ``steps``. On CUDA the same chunk is
+captured once in a CUDA graph and replayed (static buffers for the batch).
+
+``mode="stepwise"`` runs the identical semantics with eager ``loss.backward();
+optimizer.step()`` through `stepfuse._loop.run_stepwise` (the reference); it is also
+the fallback, with a warning naming the reason, when the fused path cannot handle a
+model or optimizer.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import types
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from ._loop import Notifier, finish, run_stepwise
+from ._options import OPTIONS_DOC, Options, check_call_steps, check_int, check_options
+from ._trace import Stop, Trace, host_trace, n_recorded
+
+__all__ = ["fuse", "FusedFit", "SUPPORTED_OPTIMIZERS"]
+
+_MODES = ("fused", "stepwise")
+_DEFAULT_CHUNK = 4  # steps per while_loop iteration (compile cost grows with it; see benchmarks)
+_SEGMENT = 512  # at most this many steps per program call (see FusedFit._cap)
+_INDUCTOR_OPTIONS: Dict[str, Any] = {"cpp_wrapper": True}
+"""Inductor options of the fused program: the C++ wrapper runs the loop without Python."""
+
+
+# --------------------------------------------------------------------------------------
+# The optimizers' own update rules (torch.optim functional, single-tensor form).
+
+
+def _scalar_dtype():
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    return _get_scalar_dtype()
+
+
+def _sgd_keys(g):
+    return ("momentum_buffer",) if g["momentum"] != 0 else ()
+
+
+def _adam_keys(g):
+    return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if g["amsgrad"] else ())
+
+
+def _rmsprop_keys(g):
+    keys = ("step", "square_avg")
+    if g["momentum"] > 0:
+        keys += ("momentum_buffer",)
+    if g["centered"]:
+        keys += ("grad_avg",)
+    return keys
+
+
+def _adagrad_keys(g):
+    return ("step", "sum")
+
+
+def _sgd_update(p, gr, s, g, capturable):
+    from torch.optim.sgd import sgd
+
+    bufs = s.get("momentum_buffer", [None] * len(p))
+    sgd(p, gr, bufs, foreach=False, weight_decay=g["weight_decay"], momentum=g["momentum"],
+        lr=g["lr"], dampening=g["dampening"], nesterov=g["nesterov"], maximize=g["maximize"])
+
+
+def _adam_update(p, gr, s, g, capturable, fn=None):
+    from torch.optim.adam import adam
+
+    (fn or adam)(p, gr, s["exp_avg"], s["exp_avg_sq"], s.get("max_exp_avg_sq", []), s["step"],
+                 foreach=False, capturable=capturable, amsgrad=g["amsgrad"],
+                 beta1=g["betas"][0], beta2=g["betas"][1], lr=g["lr"],
+                 weight_decay=g["weight_decay"], eps=g["eps"], maximize=g["maximize"])
+
+
+def _adamw_update(p, gr, s, g, capturable):
+    from torch.optim.adamw import adamw
+
+    _adam_update(p, gr, s, g, capturable, fn=adamw)
+
+
+def _rmsprop_update(p, gr, s, g, capturable):
+    from torch.optim.rmsprop import rmsprop
+
+    rmsprop(p, gr, s["square_avg"], s.get("grad_avg", []), s.get("momentum_buffer", []),
+            s["step"], foreach=False, maximize=g["maximize"], capturable=capturable,
+            lr=g["lr"], alpha=g["alpha"], eps=g["eps"], weight_decay=g["weight_decay"],
+            momentum=g["momentum"], centered=g["centered"])
+
+
+def _adagrad_update(p, gr, s, g, capturable):
+    from torch.optim.adagrad import adagrad
+
+    adagrad(p, gr, s["sum"], s["step"], foreach=False, lr=g["lr"],
+            weight_decay=g["weight_decay"], lr_decay=g["lr_decay"], eps=g["eps"],
+            maximize=g["maximize"])
+
+
+# class -> (state keys of a group, update, works inside a CUDA graph)
+_RULES: Dict[type, Tuple[Callable, Callable, bool]] = {
+    torch.optim.SGD: (_sgd_keys, _sgd_update, True),
+    torch.optim.Adam: (_adam_keys, _adam_update, True),
+    torch.optim.AdamW: (_adam_keys, _adamw_update, True),
+    torch.optim.RMSprop: (_rmsprop_keys, _rmsprop_update, True),
+    torch.optim.Adagrad: (_adagrad_keys, _adagrad_update, False),  # reads `step` on the host
+}
+SUPPORTED_OPTIMIZERS = tuple(c.__name__ for c in _RULES)
+"""The ``torch.optim`` classes the fused mode runs; any other optimizer runs stepwise."""
+
+_IGNORED_GROUP_KEYS = ("params", "foreach", "fused", "capturable", "differentiable", "initial_lr")
+
+
+def _hyper(group) -> dict:
+    """A group's hyper-parameters as plain Python values (baked into the compiled program)."""
+    out = {}
+    for k, v in group.items():
+        if k in _IGNORED_GROUP_KEYS:
+            continue
+        if isinstance(v, torch.Tensor):
+            v = v.item() if v.numel() == 1 else tuple(v.tolist())
+        elif isinstance(v, (list, tuple)):
+            v = tuple(x.item() if isinstance(x, torch.Tensor) else x for x in v)
+        out[k] = v
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Optimizer state: snapshot / restore, used by the stepwise mode and after errors.
+
+
+def _snapshot(opt, params) -> dict:
+    snap = {}
+    for p in params:
+        if p in opt.state:
+            snap[p] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+                       for k, v in opt.state[p].items()}
+    return snap
+
+
+def _restore(opt, params, snap) -> None:
+    """Make ``opt.state`` of ``params`` equal ``snap``, in place where tensors line up."""
+    for p in params:
+        if p not in snap:
+            if p in opt.state:
+                del opt.state[p]
+            continue
+        cur = opt.state[p]
+        for k in [k for k in cur if k not in snap[p]]:
+            del cur[k]
+        for k, v in snap[p].items():
+            old = cur.get(k)
+            if (isinstance(v, torch.Tensor) and isinstance(old, torch.Tensor)
+                    and old.shape == v.shape and old.dtype == v.dtype and old.device == v.device):
+                old.copy_(v)
+            else:
+                cur[k] = v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+
+
+def _all_finite(tensors) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors
+               if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()))
+
+
+# --------------------------------------------------------------------------------------
+# Finding the module(s) whose parameters the loss reads.
+
+
+class _LossModule(nn.Module):
+    """Holds the user's modules so `functional_call` can swap their parameters."""
+
+    def __init__(self, loss_fn, modules: Sequence[nn.Module]):
+        super().__init__()
+        self.models = nn.ModuleList(modules)
+        self.loss_fn = loss_fn
+
+    def forward(self, *batch):
+        return self.loss_fn(*batch)
+
+
+def _find_modules(loss_fn) -> List[nn.Module]:
+    """nn.Modules the loss function closes over or reads as globals."""
+    found, seen = [], set()
+
+    def add(v):
+        if isinstance(v, nn.Module) and id(v) not in seen:
+            seen.add(id(v))
+            found.append(v)
+
+    fn = getattr(loss_fn, "__func__", loss_fn)
+    add(getattr(loss_fn, "__self__", None))
+    add(loss_fn)
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            add(cell.cell_contents)
+        except ValueError:
+            pass
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        g = getattr(fn, "__globals__", {})
+        for name in code.co_names:
+            add(g.get(name))
+    return found
+
+
+def _bad(exc, name, value, want, fix):
+    raise exc(f"`{name}` must be {want}; got {value!r} ({type(value).__name__}). {fix}")
+
+
+# --------------------------------------------------------------------------------------
+
+
+def _make_body(wrapper, names, update, info, K, re, tol, P, capturable, n, i0, base, batch):
+    """The loop body: ``K`` steps, each masked so a stop mid-chunk leaves the stepwise state."""
+
+    def loss_of(ps):
+        return torch.func.functional_call(wrapper, dict(zip(names, ps)), tuple(batch))
+
+    grad_and_loss = torch.func.grad_and_value(loss_of)
+
+    def body(i, stop, applied, prev, last, losses, *carry):
+        ps, ss = list(carry[:P]), list(carry[P:])
+        for _ in range(K):
+            active = (i < n) & (stop == 0)
+            grads, loss = grad_and_loss(tuple(ps))
+            loss = loss.detach()
+            new_p = [p.clone() for p in ps]  # torch's update works in place: on copies
+            new_s = [s.clone() for s in ss]
+            j = 0
+            for sl, keys, h in info:
+                m = sl.stop - sl.start
+                st = {}
+                for k in keys:
+                    st[k] = new_s[j:j + m]
+                    if k == "step" and not capturable:
+                        # Eager torch reads `step` as a Python float (double): do the same
+                        # bias-correction math in float64 instead of float32.
+                        st[k] = [t.double() for t in st[k]]
+                    j += m
+                update(new_p[sl], list(grads[sl]), st, h, capturable)
+                if "step" in st and not capturable:
+                    at = j - m * (len(keys) - list(keys).index("step"))
+                    for q, t in enumerate(st["step"]):
+                        new_s[at + q] = t.to(new_s[at + q].dtype)
+            finite = torch.isfinite(loss)
+            for t in list(grads) + new_p + [s for s in new_s if s.is_floating_point()]:
+                finite = finite & torch.isfinite(t).all()
+            ok = active & finite
+            ps = [torch.where(ok, a, b) for a, b in zip(new_p, ps)]
+            ss = [torch.where(ok, a, b) for a, b in zip(new_s, ss)]
+            ic = i0 + i  # index of this step within the user's call
+            rec = active & (ic % re == 0)
+            slot = torch.where(rec, ic // re - base, losses.shape[0] - 1)
+            losses = losses.index_copy(0, slot.reshape(1), loss.reshape(1).to(losses.dtype))
+            code = torch.where(active & ~finite, 2, stop)
+            if tol is not None:
+                diff = (loss.double() - prev.double()).abs()
+                code = torch.where(ok & (ic > 0) & (diff <= tol), 1, code)
+            stop = code.to(stop.dtype)
+            applied = applied + ok.to(applied.dtype)
+            prev = torch.where(ok, loss.to(prev.dtype), prev)
+            last = torch.where(ok, loss.to(last.dtype), last)
+            i = i + 1
+        return (i, stop, applied, prev, last, losses, *ps, *ss)
+
+    return body
+
+
+class FusedFit:
+    """A fused fit: ``fit(*batch, steps=None)`` runs the optimizer steps, returns a `Trace`.
+
+    Built by `fuse`. Parameters and ``optimizer.state`` are updated in place.
+
+    Attributes:
+      mode: ``"fused"`` or ``"stepwise"`` (the mode actually used: a fused fit that
+        had to fall back reports ``"stepwise"`` and ``fallback_reason`` says why).
+      compiles: how many programs were compiled so far (graph compilations or CUDA-graph
+        captures). One compile serves every ``steps`` and every batch of the same shapes.
+      step: updates applied since `fuse`.
+    """
+
+    def __init__(self, loss_fn, optimizer, opts: Options, model, chunk: int):
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.opts = opts
+        self.chunk = chunk
+        self.step = 0
+        self.compiles = 0
+        self.fallback_reason: Optional[str] = None
+        self.mode = opts.mode
+        self._params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._probed = set()
+        self._loss_dtype = torch.float32
+        self._program = None
+        self._program_key = None
+        self._wrapper = None
+        self._names: List[str] = []
+        self._rule = _RULES.get(type(optimizer))
+        if self.mode == "fused":
+            reason = self._prepare_fused(model)
+            if reason is not None:
+                self._fall_back(reason)
+
+    # -- setup ---------------------------------------------------------------------------
+
+    def _fall_back(self, reason: str) -> None:
+        self.mode, self.fallback_reason = "stepwise", reason
+        warnings.warn(f"stepfuse.torch: running mode='stepwise' instead of 'fused': {reason}",
+                      RuntimeWarning, stacklevel=4)
+
+    def _prepare_fused(self, model) -> Optional[str]:
+        if self._rule is None:
+            return (f"{type(self.optimizer).__name__} has no fused update rule here (supported: "
+                    f"{', '.join(SUPPORTED_OPTIMIZERS)}).")
+        modules = [model] if model is not None else _find_modules(self.loss_fn)
+        names: Dict[int, str] = {}
+        wrapper = _LossModule(self.loss_fn, modules)
+        for name, p in wrapper.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), name)
+        missing = [i for i, p in enumerate(self._params) if id(p) not in names]
+        if missing:
+            where = "the `model` given" if model is not None else "no nn.Module that `loss_fn` closes over"
+            return (f"{len(missing)} of the optimizer's parameters belong to {where}; pass "
+                    "fuse(..., model=the_module) with the module that holds them.")
+        self._wrapper, self._names = wrapper, [names[id(p)] for p in self._params]
+        return None
+
+    # -- layout of the carried tensors -------------------------------------------------------
+
+    def _layout(self):
+        """[(group, slice of params, keys)] for the optimizer as it is now."""
+        keys_of = self._rule[0]
+        out, start = [], 0
+        for g in self.optimizer.param_groups:
+            n = len(g["params"])
+            out.append((g, slice(start, start + n), keys_of(g)))
+            start += n
+        return out
+
+    def _state_ready(self) -> bool:
+        st = self.optimizer.state
+        return all(k in st.get(p, {}) for g, sl, keys in self._layout()
+                   for p in self._params[sl] for k in keys)
+
+    def _state_tensors(self, placeholder: bool) -> List[torch.Tensor]:
+        """The optimizer state flattened (group, key, param); zeros where not yet created."""
+        out = []
+        for g, sl, keys in self._layout():
+            for k in keys:
+                for p in self._params[sl]:
+                    v = self.optimizer.state[p].get(k) if p in self.optimizer.state else None
+                    if v is None:
+                        if not placeholder:
+                            raise RuntimeError("optimizer state missing")
+                        v = (torch.tensor(0.0, dtype=_scalar_dtype()) if k == "step"
+                             else torch.zeros_like(p, memory_format=torch.preserve_format))
+                    out.append(v)
+        return out
+
+    def _write_back(self, params, states) -> None:
+        with torch.no_grad():
+            for p, v in zip(self._params, params):
+                p.copy_(v)
+            i = 0
+            for g, sl, keys in self._layout():
+                for k in keys:
+                    for p in self._params[sl]:
+                        cur = self.optimizer.state[p]
+                        if isinstance(cur.get(k), torch.Tensor):
+                            cur[k].copy_(states[i])
+                        else:
+                            cur[k] = states[i].detach().to(p.device if k != "step" else "cpu").clone()
+                        i += 1
+
+    # -- compiled program (CPU and any device without CUDA graphs) -------------------------
+
+    def _body_maker(self, capturable: bool):
+        """``make(n, i0, base, batch) -> body`` over plain values (no optimizer access when traced)."""
+        info = [(sl, keys, _hyper(g)) for g, sl, keys in self._layout()]
+        args = (self._wrapper, tuple(self._names), self._rule[1], info, self.chunk,
+                self.opts.record_every, self.opts.tol, len(self._params), capturable)
+        return lambda n, i0, base, batch: _make_body(*args, n, i0, base, batch)
+
+    def _build_compiled(self):
+        make = self._body_maker(capturable=False)
+        counter = self
+
+        def program(n, i0, base, prev, nslots, params, states, batch):
+            from torch._higher_order_ops.while_loop import while_loop
+
+            body = make(n, i0, base, batch)
+            def zero(dtype):
+                return torch.zeros((), dtype=dtype, device=prev.device)
+
+            losses = torch.full((nslots + 1,), math.nan, dtype=prev.dtype, device=prev.device)
+            carried = (zero(torch.int64), zero(torch.int32), zero(torch.int64), prev.clone(),
+                       prev.clone(), losses, *params, *states)
+            return while_loop(lambda i, stop, *rest: (i < n) & (stop == 0), body, carried)
+
+        # One code object per fit, so dynamo's per-code cache never mixes fits.
+        code = program.__code__.replace(co_name=f"stepfuse_program_{id(self):x}")
+        program = types.FunctionType(code, program.__globals__, code.co_name,
+                                     program.__defaults__, program.__closure__)
+
+        def backend(gm, example_inputs):
+            from torch._inductor import config
+            from torch._inductor.compile_fx import compile_fx
+
+            counter.compiles += 1
+            with config.patch(_INDUCTOR_OPTIONS):
+                return compile_fx(gm, example_inputs)
+
+        return torch.compile(program, backend=backend, fullgraph=True, dynamic=False)
+
+    def _run_compiled(self, n, i0, prev, params, states, batch):
+        re = self.opts.record_every
+        nslots = -(-self._cap // re) + 1
+        dev = params[0].device
+        t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
+        return self._program(t(n), t(i0), t(-(-i0 // re)), prev, nslots, params, states, tuple(batch))
+
+    # -- CUDA graph (static buffers, one capture of one chunk, replayed) --------------------
+
+    def _build_cuda_graph(self, params, states, batch, prev):
+        dev = params[0].device
+        re = self.opts.record_every
+        nslots = -(-self._cap // re) + 2
+        i64 = lambda: torch.zeros((), dtype=torch.int64, device=dev)  # noqa: E731
+        s = types.SimpleNamespace()
+        s.n, s.i0, s.base = i64(), i64(), i64()
+        s.batch = [b.detach().clone() if isinstance(b, torch.Tensor) else b for b in batch]
+        s.carry = [i64(), torch.zeros((), dtype=torch.int32, device=dev), i64(),
+                   prev.detach().clone(), prev.detach().clone(),
+                   torch.full((nslots,), math.nan, dtype=prev.dtype, device=dev),
+                   *[p.detach().clone() for p in params],
+                   *[v.detach().to(dev).clone() for v in states]]
+        s.state_cpu = [v.device.type == "cpu" for v in states]
+        body = self._body_maker(capturable=True)(s.n, s.i0, s.base, s.batch)
+
+        def chunk():
+            outs = body(*s.carry)
+            for dst, src in zip(s.carry, outs):
+                dst.copy_(src)
+
+        s.n.fill_(0)  # warm-up replays change nothing
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                chunk()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        s.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(s.graph):
+            chunk()
+        self.compiles += 1
+        return s
+
+    def _run_cuda_graph(self, n, i0, prev, params, states, batch):
+        s, re = self._program, self.opts.record_every
+        for dst, src in zip(s.batch, batch):
+            if isinstance(dst, torch.Tensor):
+                dst.copy_(src)
+        P = len(params)
+        for dst, src in zip(s.carry[6:], list(params) + list(states)):
+            dst.copy_(src)
+        s.n.fill_(n)
+        s.i0.fill_(i0)
+        s.base.fill_(-(-i0 // re))
+        for k in (0, 2):
+            s.carry[k].zero_()
+        s.carry[1].zero_()
+        s.carry[3].copy_(prev)
+        s.carry[5].fill_(math.nan)
+        for _ in range(-(-n // self.chunk)):
+            s.graph.replay()
+        out = list(s.carry)
+        out[6 + P:] = [v.to("cpu") if cpu else v for v, cpu in zip(out[6 + P:], s.state_cpu)]
+        return out
+
+    # -- one call ----------------------------------------------------------------------------
+
+    def _probe(self, batch) -> None:
+        """Check ``loss_fn`` on this batch once per batch signature; changes nothing."""
+        sig = tuple((tuple(b.shape), b.dtype, b.device) if isinstance(b, torch.Tensor) else repr(b)
+                    for b in batch)
+        if sig in self._probed:
+            return
+        with torch.enable_grad():
+            loss = self.loss_fn(*batch)
+            fix = "Return one floating-point scalar computed from the model, e.g. F.cross_entropy(model(x), y)."
+            if not isinstance(loss, torch.Tensor):
+                _bad(TypeError, "loss_fn", loss, "a function returning a scalar tensor", fix)
+            if loss.ndim != 0:
+                _bad(ValueError, "loss_fn", f"a tensor of shape {tuple(loss.shape)}",
+                     "a function returning a scalar (0-dim) tensor", fix + " Reduce it, e.g. .mean().")
+            if not loss.is_floating_point():
+                _bad(TypeError, "loss_fn", f"a tensor of dtype {loss.dtype}",
+                     "a function returning a floating-point scalar", fix)
+            if not loss.requires_grad:
+                _bad(ValueError, "loss_fn", "a loss that does not depend on the parameters",
+                     "a function of the optimizer's parameters",
+                     "Compute the loss from the model whose parameters the optimizer holds.")
+            grads = torch.autograd.grad(loss, self._params, allow_unused=True)
+        unused = sum(g is None for g in grads)
+        if unused:
+            _bad(ValueError, "loss_fn", f"a loss that does not use {unused} of the optimizer's "
+                 f"{len(grads)} parameters", "a function of every parameter the optimizer holds",
+                 "Remove unused parameters from the optimizer or compute the loss from them.")
+        self._loss_dtype = loss.dtype
+        self._probed.add(sig)
+
+    def _ensure_program(self, batch) -> None:
+        """Build (compile / capture) the fused program if needed; may fall back to stepwise.
+
+        The compiled program is rebuilt when a group's hyper-parameters change (they are
+        baked in); new batch shapes recompile through dynamo's own guards. A CUDA graph is
+        recaptured for new batch shapes.
+        """
+        key = tuple(tuple(sorted(h.items())) for h in map(_hyper, self.optimizer.param_groups))
+        if self._cuda:
+            key += tuple((tuple(b.shape), b.dtype) if isinstance(b, torch.Tensor) else repr(b)
+                         for b in batch)
+        if self._program is not None and self._program_key == key:
+            return
+        params = [p.detach() for p in self._params]
+        states = self._state_tensors(placeholder=True)
+        prev = torch.tensor(math.nan, dtype=self._loss_dtype, device=params[0].device)
+        try:
+            if self._cuda:
+                self._program = self._build_cuda_graph(params, states, batch, prev)
+            else:
+                self._program = self._build_compiled()
+                # n=0: compiles without running a step; nothing changes.
+                self._run_compiled(0, 0, prev, params, states, batch)
+        except Exception as e:  # noqa: BLE001 - any compile failure means: run stepwise
+            self._program = None
+            inner = getattr(e, "inner_exception", None) or e
+            lines = [ln for ln in str(inner).splitlines() if ln.strip()]
+            self._fall_back(f"the fused program could not be built ({type(inner).__name__}: "
+                            f"{lines[0].strip() if lines else ''}); pass mode='stepwise' to "
+                            "silence this warning.")
+            return
+        self._program_key = key
+
+    @property
+    def _cuda(self) -> bool:
+        return (torch.cuda.is_available() and self._params[0].is_cuda
+                and self._rule is not None and self._rule[2])
+
+    def __call__(self, *batch, steps=None) -> Trace:
+        """Run ``steps`` (default: the ``steps`` given to `fuse`) updates on ``batch``.
+
+        Args:
+          *batch: the arguments of ``loss_fn`` (tensors), passed once for all steps.
+          steps: updates of this call; any ``int >= 1`` reuses the same compiled program.
+
+        Returns:
+          The call's `stepfuse.Trace` (losses before each update, updates applied, stop).
+        """
+        n = check_call_steps(steps, self.opts, capped=False)
+        grads_before = [p.grad for p in self._params]
+        snap = _snapshot(self.optimizer, self._params)
+        before = [p.detach().clone() for p in self._params]
+        self._probe(batch)
+        start = self.step
+        if self.mode == "fused":
+            self._ensure_program(batch)
+        try:
+            if self.mode == "stepwise":
+                trace = self._call_stepwise(batch, n, start)
+            else:
+                trace = self._call_fused(batch, n, start)
+        except BaseException:
+            if self.mode == "fused" and self.step == start:
+                # nothing was applied: leave parameters and state exactly as they were
+                with torch.no_grad():
+                    for p, v in zip(self._params, before):
+                        p.copy_(v)
+                _restore(self.optimizer, self._params, snap)
+            raise
+        finally:
+            for p, g in zip(self._params, grads_before):
+                p.grad = g
+        return finish(trace, self.opts, start)
+
+    # stepwise: the optimizer's own step(), eagerly -------------------------------------------
+
+    def _propose(self, batch):
+        params, opt = self._params, self.optimizer
+        with torch.enable_grad():
+            for p in params:
+                p.grad = None
+            loss = self.loss_fn(*batch)
+            loss.backward()
+        loss = loss.detach()
+        finite = bool(torch.isfinite(loss)) and _all_finite(p.grad for p in params)
+        if not finite:
+            return loss.item(), False, None
+        old_p = [p.detach().clone() for p in params]
+        old_s = _snapshot(opt, params)
+        opt.step()
+        new_p = [p.detach().clone() for p in params]
+        new_s = _snapshot(opt, params)
+        finite = _all_finite(new_p) and _all_finite(v for d in new_s.values() for v in d.values())
+        with torch.no_grad():
+            for p, v in zip(params, old_p):
+                p.copy_(v)
+        _restore(opt, params, old_s)
+        return loss.item(), finite, (new_p, new_s)
+
+    def _commit(self, token) -> None:
+        new_p, new_s = token
+        with torch.no_grad():
+            for p, v in zip(self._params, new_p):
+                p.copy_(v)
+        _restore(self.optimizer, self._params, new_s)
+        self.step += 1
+
+    def _call_stepwise(self, batch, n, start) -> Trace:
+        with Notifier(self.opts, start, n, "stepfuse.torch") as note:
+            return run_stepwise(lambda: self._propose(batch), self._commit, n, self.opts, start,
+                                note if self.opts.notify else None)
+
+    # fused: eager first step if the optimizer has no state yet, then program segments ------
+
+    def _call_fused(self, batch, n, start) -> Trace:
+        opts = self.opts
+        re, every = opts.record_every, opts.every
+        losses: List[np.ndarray] = []
+        stop, i = Stop.STEPS, 0
+        dev = self._params[0].device
+        prev = torch.tensor(math.nan, dtype=self._loss_dtype, device=dev)
+        with Notifier(opts, start, n, "stepfuse.torch") as note:
+            notify = note if opts.notify else None
+            if not self._state_ready():
+                # torch creates the state lazily in step(); let it (exact init semantics).
+                first = run_stepwise(lambda: self._propose(batch), self._commit, 1,
+                                     dataclasses.replace(opts, steps=1, tol=None, record_every=1), start, notify)
+                losses.append(np.asarray(first.loss, np.float32))
+                i, stop = 1, first.stop
+                if first.steps:
+                    prev = torch.tensor(float(first.loss[0]), dtype=self._loss_dtype, device=dev)
+            run = self._run_cuda_graph if self._cuda else self._run_compiled
+            while i < n and stop == Stop.STEPS:
+                seg = min(n - i, self._cap)
+                if notify is not None:
+                    seg = min(seg, every - self.step % every)
+                params = [p.detach() for p in self._params]
+                out = run(seg, i, prev, params, self._state_tensors(placeholder=False), batch)
+                _, code, applied, prev, last, buf = out[:6]
+                code, applied = int(code), int(applied)
+                P = len(params)
+                self._write_back(out[6:6 + P], out[6 + P:])
+                evaluated = applied + (1 if code == Stop.NONFINITE else 0)
+                kept = n_recorded(i + evaluated, re) - n_recorded(i, re)
+                losses.append(buf[:kept].detach().cpu().numpy())
+                self.step += applied
+                i += evaluated
+                stop = Stop(code)
+                if notify is not None and applied and self.step % every == 0:
+                    notify(self.step, float(last))
+        loss = np.concatenate(losses) if losses else np.zeros(0, np.float32)
+        return host_trace(loss, self.step - start, stop, re)
+
+    @property
+    def _cap(self) -> int:
+        # Steps per program call: the loop carries its loss buffer, which the compiled
+        # body copies each step, so longer calls run as several program calls.
+        return min(self.opts.steps, _SEGMENT)
+
+    def __repr__(self) -> str:
+        return (f"FusedFit({type(self.optimizer).__name__}, steps={self.opts.steps}, "
+                f"mode={self.mode!r}, compiles={self.compiles}, step={self.step})")
+
+
+def fuse(
+    loss_fn: Callable[..., torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    *,
+    steps: int,
+    model: Optional[nn.Module] = None,
+    tol: Optional[float] = None,
+    record_every: int = 1,
+    callback: Optional[Callable[[int, float], Any]] = None,
+    every: Optional[int] = None,
+    progress: bool = False,
+    on_nonfinite: str = "stop",
+    mode: str = "fused",
+    chunk: int = _DEFAULT_CHUNK,
+) -> FusedFit:
+    """Build a fused fit that runs ``steps`` ``torch.optim`` updates per call.
+
+    Args:
+      loss_fn: ``loss_fn(*batch) -> scalar tensor``; it uses the model (e.g. a closure).
+      optimizer: a ``torch.optim.Optimizer`` over the model's parameters. The fused mode
+        runs SGD, Adam, AdamW, RMSprop and Adagrad with torch's own update functions;
+        others run stepwise.
+      model: the ``nn.Module`` holding the parameters; found automatically when
+        ``loss_fn`` closes over it (or reads it as a global).
+{opts}
+      chunk: steps per iteration of the compiled loop (compile time grows with it,
+        per-step overhead shrinks); default {chunk}.
+
+    Returns:
+      A `FusedFit`; ``trace = fit(*batch, steps=None)``.
+
+    Example:
+      >>> model = torch.nn.Linear(2, 2)
+      >>> def loss_fn(x, y):
+      ...     return torch.nn.functional.cross_entropy(model(x), y)
+      >>> fit = fuse(loss_fn, torch.optim.SGD(model.parameters(), lr=0.01), steps=3)
+      >>> trace = fit(x, y)            # 3 updates, one compiled call
+    """
+    opts = check_options(steps, tol, record_every, callback, every, progress, on_nonfinite, mode,
+                         modes=_MODES)
+    if not callable(loss_fn):
+        _bad(TypeError, "loss_fn", loss_fn, "callable as loss_fn(*batch) -> scalar tensor",
+             "Pass a function such as lambda x, y: F.cross_entropy(model(x), y).")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        _bad(TypeError, "optimizer", optimizer, "a torch.optim.Optimizer",
+             "Build one over the model's parameters, e.g. torch.optim.SGD(model.parameters(), lr=0.01) "
+             "(optax / keras optimizers belong to stepfuse.jax / stepfuse.tf).")
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not params:
+        _bad(ValueError, "optimizer", optimizer, "an optimizer with parameters",
+             "Pass model.parameters() to the optimizer.")
+    for p in params:
+        if not isinstance(p, torch.Tensor) or not p.is_floating_point():
+            _bad(TypeError, "optimizer", f"a parameter of dtype {getattr(p, 'dtype', type(p))}",
+                 "an optimizer over floating-point parameters",
+                 "Use float parameters (e.g. torch.float32); integer tensors cannot be trained.")
+        if not p.requires_grad:
+            _bad(ValueError, "optimizer", f"a parameter of shape {tuple(p.shape)} with requires_grad=False",
+                 "an optimizer over parameters that require grad",
+                 "Set p.requires_grad_(True) or leave frozen parameters out of the optimizer.")
+    if model is not None and not isinstance(model, nn.Module):
+        _bad(TypeError, "model", model, "a torch.nn.Module or None",
+             "Pass the module whose parameters the optimizer holds, or omit `model`.")
+    chunk = check_int(chunk, "chunk", "Pass the steps per compiled loop iteration, e.g. chunk=4.")
+    return FusedFit(loss_fn, optimizer, opts, model, chunk)
+
+
+fuse.__doc__ = fuse.__doc__.format(opts=OPTIONS_DOC.replace("\n    ", "\n      ").replace("    steps", "      steps", 1),
+                                   chunk=_DEFAULT_CHUNK)

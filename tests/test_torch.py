@@ -1,0 +1,290 @@
+"""stepfuse.torch: fused and stepwise fits against plain PyTorch training.
+
+The reference everywhere is ``opt.zero_grad(); loss.backward(); opt.step()`` written
+here. Compiles are the slow part (~10 s each on 2 CPU cores), so compiled fits are
+shared by module-scoped fixtures, and the four SGD variants are covered in the fused
+mode by one SGD with four parameter groups (one compile) on the MLP; the stepwise mode
+runs the full optimizer x model matrix.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import stepfuse.torch as sf
+from stepfuse import NonFiniteError, Stop
+from torch_helpers import (OPTIMIZERS, X, Y, assert_close_lists, assert_same_state, make, mlp,
+                           params_of, reference_steps, reset, sgd_variants_groups, state_of)
+
+CALLS = (3, 1, 4)  # steps of successive calls: a remainder, a single step, two chunks
+
+
+def run_calls(fit, calls=CALLS, x=X, y=Y):
+    traces = [fit(x, y, steps=n) for n in calls]
+    return np.concatenate([t.loss for t in traces]), traces
+
+
+def check_against_reference(model_name, opt=None, groups=None, mode="fused", fit_kwargs=None):
+    model, optimizer, loss_fn = make(model_name, opt, groups)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no silent fallback
+        fit = sf.fuse(loss_fn, optimizer, steps=4, mode=mode, **(fit_kwargs or {}))
+        losses, traces = run_calls(fit)
+    assert fit.mode == mode
+    ref_model, ref_opt, _ = make(model_name, opt, groups)
+    ref_losses = reference_steps(ref_model, ref_opt, sum(CALLS))
+    assert [t.steps for t in traces] == list(CALLS)
+    assert all(t.stop == Stop.STEPS for t in traces)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6, atol=1e-7)
+    assert_close_lists(params_of(model), params_of(ref_model))
+    assert_same_state(state_of(optimizer), state_of(ref_opt))
+    # ordinary PyTorch carries on exactly as after the reference run
+    after = reference_steps(model, optimizer, 2)
+    np.testing.assert_allclose(after, reference_steps(ref_model, ref_opt, 2), rtol=1e-6, atol=1e-7)
+    assert_close_lists(params_of(model), params_of(ref_model))
+    return fit
+
+
+# -- stepwise mode: the whole matrix --------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_name", ["perceptron", "mlp"])
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+def test_stepwise_matches_torch_reference(model_name, opt):
+    check_against_reference(model_name, opt, mode="stepwise")
+
+
+# -- fused mode -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sgd_fit():
+    """One compiled fit (seed perceptron, SGD lr 0.01) shared by several tests; reset per use."""
+    model, optimizer, loss_fn = make("perceptron", "sgd")
+    fit = sf.fuse(loss_fn, optimizer, steps=3, chunk=2)
+    return model, optimizer, fit
+
+
+@pytest.mark.parametrize("opt", ["adam", "adamw", "rmsprop", "adagrad"])
+def test_fused_matches_torch_reference_perceptron(opt):
+    fit = check_against_reference("perceptron", opt, fit_kwargs={"chunk": 2})
+    assert fit.compiles == 1
+
+
+def test_fused_sgd_matches_torch_reference_perceptron(sgd_fit):
+    model, optimizer, fit = sgd_fit
+    reset("perceptron", model, optimizer)
+    losses, _ = run_calls(fit)
+    ref_model, ref_opt, _ = make("perceptron", "sgd")
+    np.testing.assert_allclose(losses, reference_steps(ref_model, ref_opt, sum(CALLS)), rtol=1e-6, atol=1e-7)
+    assert_close_lists(params_of(model), params_of(ref_model))
+
+
+def test_fused_sgd_plain_momentum_nesterov_weight_decay_groups_mlp():
+    fit = check_against_reference("mlp", groups=sgd_variants_groups, fit_kwargs={"chunk": 2})
+    assert fit.compiles == 1
+
+
+def test_fused_adam_mlp():
+    check_against_reference("mlp", "adam", fit_kwargs={"chunk": 2})
+
+
+def test_seed_row_k_equals_row_3k(sgd_fit):
+    model, optimizer, fit = sgd_fit
+    reset("perceptron", model, optimizer)
+    start = fit.step
+    three = [fit(X, Y) for _ in range(10)]
+    assert all(t.steps == 3 and t.loss.shape == (3,) for t in three)
+    model1, opt1, loss1 = make("perceptron", "sgd")
+    one = sf.fuse(loss1, opt1, steps=1, mode="stepwise")
+    rows1 = [one(X, Y).loss[0] for _ in range(30)]
+    rows3 = [t.loss[0] for t in three]
+    assert rows3[0] == pytest.approx(math.log(2), abs=1e-6)
+    np.testing.assert_allclose(rows3, rows1[::3], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.concatenate([t.loss for t in three]), rows1, rtol=1e-6, atol=1e-7)
+    assert_close_lists(params_of(model), params_of(model1))
+    assert fit.step - start == 30 and one.step == 30
+
+
+def test_one_compile_serves_every_steps_and_new_batch_values(sgd_fit):
+    model, optimizer, fit = sgd_fit
+    reset("perceptron", model, optimizer)
+    fit(X, Y, steps=1)
+    before = fit.compiles
+    for n in (1, 2, 5, 17, 3):
+        assert fit(X, Y, steps=n).steps == n
+    fit(X + 0.5, Y.flip(0), steps=4)  # new values, same shapes
+    assert fit.compiles == before == 1
+
+
+def test_options_tol_record_every_callback_match_stepwise_oracle():
+    seen = {"fused": [], "stepwise": []}
+    fits = {}
+    for mode in ("fused", "stepwise"):
+        model, optimizer, loss_fn = make("perceptron", "adam")
+        fits[mode] = (model, optimizer, sf.fuse(
+            loss_fn, optimizer, steps=40, tol=8e-3, record_every=3, every=4, chunk=2, mode=mode,
+            callback=lambda step, loss, mode=mode: seen[mode].append((step, loss))))
+    traces = {mode: [f(X, Y, steps=n) for n in (5, 40)] for mode, (_, _, f) in fits.items()}
+    for tf, ts in zip(traces["fused"], traces["stepwise"]):
+        assert (tf.steps, tf.stop) == (ts.steps, ts.stop)
+        np.testing.assert_allclose(tf.loss, ts.loss, rtol=1e-6, atol=1e-7)
+    assert traces["fused"][0].stop == Stop.STEPS and traces["fused"][1].stop == Stop.TOL
+    assert 0 < traces["fused"][1].steps < 40  # the converged call cost fewer steps
+    assert len(traces["fused"][0].loss) == 2  # steps 0 and 3 of 5
+    assert [s for s, _ in seen["fused"]] == [s for s, _ in seen["stepwise"]]
+    assert [s for s, _ in seen["fused"]][:3] == [4, 8, 12]
+    np.testing.assert_allclose([v for _, v in seen["fused"]], [v for _, v in seen["stepwise"]], rtol=1e-6)
+    assert_close_lists(params_of(fits["fused"][0]), params_of(fits["stepwise"][0]))
+    assert_same_state(state_of(fits["fused"][1]), state_of(fits["stepwise"][1]))
+
+
+def diverging(model):
+    return torch.optim.SGD, [{"params": model.parameters(), "lr": 1e37, "momentum": 0.9}]
+
+
+def test_nonfinite_stops_before_the_bad_update_like_the_stepwise_oracle():
+    runs = {}
+    for mode in ("fused", "stepwise"):
+        model, optimizer, loss_fn = make("perceptron", param_groups=diverging)
+        fit = sf.fuse(loss_fn, optimizer, steps=10, mode=mode, chunk=2)
+        runs[mode] = (model, optimizer, fit(X, Y))
+    (mf, of, tf), (ms, os_, ts) = runs["fused"], runs["stepwise"]
+    assert ts.stop == Stop.NONFINITE and 1 < ts.steps < 10
+    assert (tf.steps, tf.stop) == (ts.steps, ts.stop)
+    assert len(tf.loss) == ts.steps + 1 and not np.isfinite(tf.loss[-1])
+    np.testing.assert_allclose(tf.loss[:-1], ts.loss[:-1], rtol=1e-6)
+    assert_close_lists(params_of(mf), params_of(ms))
+    assert all(torch.isfinite(p).all() for p in mf.parameters())
+    assert_same_state(state_of(of), state_of(os_))
+    # the oracle itself: exactly `steps` plain updates give these parameters
+    mr, optr, _ = make("perceptron", param_groups=diverging)
+    reference_steps(mr, optr, ts.steps)
+    assert_close_lists(params_of(ms), params_of(mr))
+
+
+def test_on_nonfinite_raise_reports_the_step_and_keeps_the_finite_state():
+    model, optimizer, loss_fn = make("perceptron", param_groups=diverging)
+    fit = sf.fuse(loss_fn, optimizer, steps=10, on_nonfinite="raise", mode="stepwise")
+    with pytest.raises(NonFiniteError) as err:
+        fit(X, Y)
+    assert err.value.step == err.value.trace.steps == fit.step
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("mode", ["fused", "stepwise"])
+def test_callback_fires_inside_the_call_and_its_exception_reaches_the_caller(mode):
+    calls = []
+
+    def boom(step, loss):
+        calls.append((step, loss))
+        if step == 6:
+            raise KeyError("stop here")
+
+    model, optimizer, loss_fn = make("perceptron", "sgd")
+    fit = sf.fuse(loss_fn, optimizer, steps=10, callback=boom, every=2, mode=mode, chunk=2)
+    with pytest.raises(KeyError, match="stop here"):
+        fit(X, Y)
+    ref_m, ref_o, _ = make("perceptron", "sgd")
+    ref_losses = reference_steps(ref_m, ref_o, 6)
+    assert [s for s, _ in calls] == [2, 4, 6] and fit.step == 6
+    np.testing.assert_allclose([v for _, v in calls], ref_losses[[1, 3, 5]], rtol=1e-6, atol=1e-7)
+    assert_close_lists(params_of(model), params_of(ref_m))  # the state of step 6, not beyond
+
+
+# -- bad input: errors name the argument; nothing changes --------------------------------------
+
+
+class NotATorchOptimizer:
+    def update(self, grads, state):
+        return grads, state
+
+
+@pytest.mark.parametrize(
+    "build, exc, name",
+    [
+        (lambda m, o, f: sf.fuse(f, NotATorchOptimizer(), steps=3), TypeError, "optimizer"),
+        (lambda m, o, f: sf.fuse(f, "sgd", steps=3), TypeError, "optimizer"),
+        (lambda m, o, f: sf.fuse(f, torch.optim.SGD([torch.zeros(2, dtype=torch.float32)], lr=0.1), steps=3),
+         ValueError, "optimizer"),
+        (lambda m, o, f: sf.fuse(f, _bad_dtype_optimizer(), steps=3), TypeError, "optimizer"),
+        (lambda m, o, f: sf.fuse(f, o, steps=0), ValueError, "steps"),
+        (lambda m, o, f: sf.fuse(f, o, steps=3, tol=-1.0), ValueError, "tol"),
+        (lambda m, o, f: sf.fuse(f, o, steps=3, every=5), ValueError, "every"),
+        (lambda m, o, f: sf.fuse(f, o, steps=3, mode="fast"), ValueError, "mode"),
+        (lambda m, o, f: sf.fuse(f, o, steps=3, model="net"), TypeError, "model"),
+        (lambda m, o, f: sf.fuse(f, o, steps=3, chunk=0), ValueError, "chunk"),
+        (lambda m, o, f: sf.fuse(3, o, steps=3), TypeError, "loss_fn"),
+        (lambda m, o, f: sf.fuse(lambda x, y: torch.nn.functional.cross_entropy(m(x), y, reduction="none"),
+                                 o, steps=3, mode="stepwise")(X, Y), ValueError, "loss_fn"),
+        (lambda m, o, f: sf.fuse(lambda x, y: (m(x).argmax(1) == y).sum(), o, steps=3, mode="stepwise")(X, Y),
+         TypeError, "loss_fn"),
+        (lambda m, o, f: sf.fuse(lambda x, y: (x ** 2).mean(), o, steps=3, mode="stepwise")(X, Y),
+         ValueError, "loss_fn"),
+        (lambda m, o, f: sf.fuse(lambda x, y: (x @ m.weight.T).logsumexp(1).mean(), o, steps=3,
+                                 mode="stepwise")(X, Y), ValueError, "loss_fn"),
+        (lambda m, o, f: sf.fuse(f, o, steps=3, mode="stepwise")(X, Y, steps=2.5), TypeError, "steps"),
+    ],
+)
+def test_bad_input_names_the_argument_and_changes_nothing(build, exc, name):
+    model, optimizer, loss_fn = make("perceptron", "adam")
+    reference_steps(model, optimizer, 1)  # some optimizer state to protect
+    params, state = params_of(model), state_of(optimizer)
+    with pytest.raises(exc) as err:
+        build(model, optimizer, loss_fn)
+    assert f"`{name}`" in str(err.value)
+    assert "got" in str(err.value)
+    assert_close_lists(params_of(model), params, rtol=0, atol=0)
+    assert_same_state(state_of(optimizer), state, rtol=0, atol=0)
+
+
+def _bad_dtype_optimizer():
+    opt = torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1)
+    opt.param_groups[0]["params"][0] = torch.zeros(2, dtype=torch.int64)
+    return opt
+
+
+# -- fallbacks -------------------------------------------------------------------------------
+
+
+def test_unsupported_optimizer_falls_back_to_stepwise_with_a_warning():
+    model = mlp()
+    optimizer = torch.optim.Adamax(model.parameters(), lr=0.01)
+    with pytest.warns(RuntimeWarning, match="Adamax"):
+        fit = sf.fuse(lambda x, y: torch.nn.functional.cross_entropy(model(x), y), optimizer, steps=3)
+    assert fit.mode == "stepwise" and "Adamax" in fit.fallback_reason
+    losses = fit(X, Y).loss
+    ref = mlp()
+    np.testing.assert_allclose(losses, reference_steps(ref, torch.optim.Adamax(ref.parameters(), lr=0.01), 3),
+                               rtol=1e-6)
+
+
+def test_loss_without_a_module_falls_back_and_names_model():
+    w = torch.ones(2, 2, requires_grad=True)
+    optimizer = torch.optim.SGD([w], lr=0.01)
+    with pytest.warns(RuntimeWarning, match="model="):
+        fit = sf.fuse(lambda x, y: torch.nn.functional.cross_entropy(x @ w, y), optimizer, steps=2)
+    assert fit(X, Y).steps == 2
+
+
+# -- CUDA graph path -------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CUDA-graph path)")
+@pytest.mark.parametrize("opt", ["sgd_momentum", "adam"])
+def test_cuda_graph_matches_torch_reference(opt):
+    model, optimizer, loss_fn = make("mlp", opt)
+    model.cuda()
+    cls, kw = OPTIMIZERS[opt]
+    optimizer = cls(model.parameters(), **kw)
+    fit = sf.fuse(loss_fn, optimizer, steps=4, chunk=2)
+    losses = np.concatenate([fit(X.cuda(), Y.cuda(), steps=n).loss for n in CALLS])
+    ref = mlp().cuda()
+    ref_losses = reference_steps(ref, cls(ref.parameters(), **kw), sum(CALLS), X.cuda(), Y.cuda())
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert fit.compiles == 1

@@ -1,0 +1,133 @@
+"""Shared PyTorch problems and optimizers for tests/test_torch.py (seed perceptron, small MLP)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stepfuse.problems import blobs, mlp_init, perceptron_init
+
+X_NP, Y_NP = blobs()
+X = torch.from_numpy(X_NP)
+Y = torch.from_numpy(Y_NP).long()
+
+# name -> (class, kwargs): every optimizer and variant the fused path supports
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, dict(lr=0.01)),
+    "sgd_momentum": (torch.optim.SGD, dict(lr=0.05, momentum=0.9)),
+    "sgd_nesterov": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
+    "sgd_weight_decay": (torch.optim.SGD, dict(lr=0.05, momentum=0.5, dampening=0.1, weight_decay=0.1)),
+    "adam": (torch.optim.Adam, dict(lr=0.01)),
+    "adamw": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
+    "rmsprop": (torch.optim.RMSprop, dict(lr=0.01, momentum=0.5, centered=True)),
+    "adagrad": (torch.optim.Adagrad, dict(lr=0.1)),
+}
+
+# float32 on CPU: the fused program vs eager torch (see the report in tests/test_torch.py)
+RTOL, ATOL = 1e-6, 1e-7
+
+
+def perceptron() -> nn.Module:
+    """The seed's 2->2 dense layer: weight of ones, bias of zeros."""
+    init = perceptron_init()
+    m = nn.Linear(2, 2)
+    with torch.no_grad():
+        m.weight.copy_(torch.from_numpy(init["kernel"].T))
+        m.bias.copy_(torch.from_numpy(init["bias"]))
+    return m
+
+
+def mlp() -> nn.Module:
+    """A 2-16-2 tanh MLP from `stepfuse.problems.mlp_init`."""
+    layers = mlp_init(sizes=(2, 16, 2))
+    m = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 2))
+    with torch.no_grad():
+        for lin, p in zip((m[0], m[2]), layers):
+            lin.weight.copy_(torch.from_numpy(p["kernel"].T))
+            lin.bias.copy_(torch.from_numpy(p["bias"]))
+    return m
+
+
+MODELS = {"perceptron": perceptron, "mlp": mlp}
+
+
+def make(model_name: str, opt: str | None = None, param_groups=None):
+    """(model, optimizer, loss_fn) for a problem; the loss closes over the model."""
+    model = MODELS[model_name]()
+    if param_groups is not None:
+        cls, groups = param_groups(model)
+        optimizer = cls(groups)
+    else:
+        cls, kw = OPTIMIZERS[opt]
+        optimizer = cls(model.parameters(), **kw)
+
+    def loss_fn(x, y):
+        return F.cross_entropy(model(x), y)
+
+    return model, optimizer, loss_fn
+
+
+def sgd_variants_groups(model):
+    """One SGD over the MLP's 4 tensors, one variant per parameter group."""
+    w1, b1, w2, b2 = model.parameters()
+    return torch.optim.SGD, [
+        {"params": [w1], "lr": 0.05},
+        {"params": [b1], "lr": 0.05, "momentum": 0.9},
+        {"params": [w2], "lr": 0.05, "momentum": 0.9, "nesterov": True},
+        {"params": [b2], "lr": 0.05, "momentum": 0.5, "dampening": 0.1, "weight_decay": 0.1},
+    ]
+
+
+def reference_steps(model, optimizer, n, x=X, y=Y):
+    """Plain PyTorch: ``n`` times zero_grad / backward / step; returns the losses."""
+    losses = []
+    for _ in range(n):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return np.asarray(losses)
+
+
+def params_of(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def state_of(optimizer):
+    """The optimizer state as a list (param order) of {key: tensor clone}."""
+    out = []
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            st = optimizer.state.get(p, {})
+            out.append({k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()})
+    return out
+
+
+def assert_close_lists(a, b, rtol=RTOL, atol=ATOL):
+    assert len(a) == len(b)
+    for u, v in zip(a, b):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=atol)
+
+
+def assert_same_state(s1, s2, rtol=RTOL, atol=ATOL):
+    assert len(s1) == len(s2)
+    for d1, d2 in zip(s1, s2):
+        assert set(d1) == set(d2), (set(d1), set(d2))
+        for k in d1:
+            if d1[k] is None or d2[k] is None:
+                assert d1[k] is None and d2[k] is None
+                continue
+            np.testing.assert_allclose(np.asarray(d1[k]), np.asarray(d2[k]), rtol=rtol, atol=atol,
+                                       err_msg=f"state[{k!r}]")
+
+
+def reset(model_name, model, optimizer):
+    """Put a model back to its initial parameters and empty its optimizer state."""
+    fresh = MODELS[model_name]()
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), fresh.parameters()):
+            p.copy_(q)
+    optimizer.state.clear()
