@@ -30,8 +30,11 @@ def main(argv=None):
             if n > MAX_STEPS[size]:
                 continue
             builders, steps_for = module.contenders(size, n)
-            results += measure(builders, n, backend=args.backend, problem=size,
-                               repeats=2 if args.quick else 5, steps_for=steps_for)
+            rows = measure(builders, n, backend=args.backend, problem=size,
+                           repeats=2 if args.quick else 5, steps_for=steps_for)
+            for r in rows:
+                r.note = getattr(module, "NOTES", {}).get(r.contender, "")
+            results += rows
     print_table(results, title=f"{args.backend}")
     if args.json:
         write_json(results, args.json)

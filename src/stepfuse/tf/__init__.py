@@ -26,7 +26,20 @@ __all__ = ["fuse", "Fit", "v1"]
 _INT = tf.int32
 
 
+class _ArgumentError:
+    """Marks stepfuse's own argument errors (so they are not re-wrapped as batch errors)."""
+
+
+class _ArgTypeError(TypeError, _ArgumentError):
+    pass
+
+
+class _ArgValueError(ValueError, _ArgumentError):
+    pass
+
+
 def _fail(exc, name: str, value: Any, want: str, fix: str):
+    exc = {TypeError: _ArgTypeError, ValueError: _ArgValueError}.get(exc, exc)
     raise exc(f"`{name}` must be {want}; got {value!r} ({type(value).__name__}). {fix}")
 
 
@@ -207,7 +220,23 @@ class Fit:
 
     def _loss_and_grads(self, batch):
         with tf.GradientTape() as tape:
-            loss = self.loss_fn(*batch)
+            try:
+                loss = self.loss_fn(*batch)
+            except NotImplementedError as e:
+                if "numpy()" not in str(e):
+                    raise
+                _fail(TypeError, "loss_fn", self.loss_fn, "traceable (it runs inside tf.function)",
+                      f"It called .numpy() ({e}); use the variables and tensors themselves, "
+                      "e.g. tf.matmul(x, kernel) rather than kernel.numpy().")
+            except (TypeError, ValueError) as e:
+                if isinstance(e, _ArgumentError):
+                    raise
+                shapes = [f"{b.dtype.name}{list(b.shape)}" for b in batch]
+                exc = TypeError if isinstance(e, TypeError) else ValueError
+                raise exc(
+                    f"`batch` must fit loss_fn; got {len(batch)} tensor(s) {shapes} and "
+                    f"loss_fn(*batch) failed while tracing: {e} -- Pass the tensors loss_fn "
+                    "expects (count, shapes, dtypes), e.g. fit(x, y) for loss_fn(x, y).") from e
         _check_loss(loss, self.loss_fn)
         loss = tf.convert_to_tensor(loss)
         grads = tape.gradient(loss, self._tf_vars)

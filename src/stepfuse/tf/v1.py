@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import tensorflow as tf
 
-from .._loop import run_stepwise
+from .._loop import finish, run_stepwise
 from .._options import Options, check_int, check_options
 from . import _MIN_CHUNK, _inner_loop, _outer_loop
 from .._trace import Stop, Trace, host_trace
@@ -170,7 +170,9 @@ class Fused:
         if steps is not None:
             feed[self.steps] = _check_run_steps(steps)
         losses, applied, stop, _ = sess.run([self.losses, self.steps_taken, self.stop, self.train_op], feed)
-        return host_trace(losses, int(applied), int(stop), self.opts.record_every)
+        start = self.step
+        self.step += int(applied)
+        return finish(host_trace(losses, int(applied), int(stop), self.opts.record_every), self.opts, start)
 
 
 class Stepwise:
@@ -195,8 +197,10 @@ class Stepwise:
 
         def commit(new):
             sess.run(self.commit_op, dict(zip(self.placeholders, new)))
+            self.step += 1
 
-        return run_stepwise(propose, commit, n, self.opts, 0)
+        start = self.step
+        return finish(run_stepwise(propose, commit, n, self.opts, start), self.opts, start)
 
 
 def _check_run_steps(steps) -> int:
@@ -216,6 +220,7 @@ def fuse(
     mode: str = "fused",
     jit_compile: bool = True,
     chunk: Optional[int] = None,
+    on_nonfinite: str = "stop",
 ):
     """Build ``steps`` TF1 optimizer updates that run inside one ``sess.run``.
 
@@ -241,6 +246,10 @@ def fuse(
       jit_compile: XLA-compile the step loop (default; ~50x faster per step than a
         plain graph loop on CPU). An op XLA can't compile makes the first ``sess.run``
         fail with an XLA error: rebuild with ``jit_compile=False``.
+      on_nonfinite: ``"stop"`` (default) ends the loop with ``Stop.NONFINITE``; ``"raise"``
+        makes ``run(...)`` also raise `stepfuse.NonFiniteError` (``error.step`` counts the
+        updates applied by this object's ``run`` calls). A bare ``sess.run(train_op)``
+        cannot raise: read ``stop`` then. Either way the refused update is not applied.
       chunk: the most steps one compiled inner loop runs (XLA needs a static-size loss
         buffer); longer runs chain chunks inside the same ``sess.run``. Default: ``steps``
         (at least 256) for an int ``steps``, 1024 for a tensor.
@@ -273,9 +282,9 @@ def fuse(
         if not steps.dtype.base_dtype.is_integer or (steps.shape.rank not in (None, 0)):
             _fail(TypeError, "steps", steps, "an int >= 1 or a scalar integer tensor",
                   "Pass e.g. steps=100 or steps=tf.compat.v1.placeholder(tf.int32, []).")
-        opts = check_options(1, tol, record_every, mode=mode)
+        opts = check_options(1, tol, record_every, on_nonfinite=on_nonfinite, mode=mode)
     else:
-        opts = check_options(steps, tol, record_every, mode=mode)
+        opts = check_options(steps, tol, record_every, on_nonfinite=on_nonfinite, mode=mode)
     loss0, var_list, state = _prepare(loss_fn, optimizer, var_list)
     if mode == "stepwise":
         return _build_stepwise(loss_fn, optimizer, var_list, state, opts, loss0)
@@ -315,7 +324,7 @@ def fuse(
         train_op = tf.group(applied, stop, losses, name="train_op")
     return Fused(train_op=train_op, losses=losses, steps_taken=applied, stop=stop, steps=n,
                  loss=loss0, var_list=var_list, state=state, opts=opts, optimizer=optimizer,
-                 jit_compile=bool(jit_compile), chunk=chunk)
+                 jit_compile=bool(jit_compile), chunk=chunk, step=0)
 
 
 def _build_stepwise(loss_fn, optimizer, var_list, state, opts: Options, loss0):
@@ -330,7 +339,7 @@ def _build_stepwise(loss_fn, optimizer, var_list, state, opts: Options, loss0):
     commit_op = tf.group(*[v.assign(p) for v, p in zip(state, placeholders)])
     return Stepwise(loss_t=loss_out, finite=finite_out, new=new_out, placeholders=placeholders,
                     commit_op=commit_op, loss=loss0, var_list=var_list, state=state, opts=opts,
-                    optimizer=optimizer)
+                    optimizer=optimizer, step=0)
 
 
 def copies_train_op(loss_fn: Callable[[], Any], optimizer, n: int, var_list=None):
