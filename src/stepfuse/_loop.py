@@ -93,6 +93,12 @@ class Notifier:
         if self._bar is not None:
             self._bar.stop()
 
+    def done(self, applied: int) -> None:
+        """Show the updates the call applied when it returned normally (the bar otherwise
+        rests on the last multiple of ``every``)."""
+        if self._bar is not None:
+            self._bar.update(self._task, completed=int(applied))
+
     def __call__(self, step, loss) -> None:
         step, loss = int(step), float(loss)
         if self._bar is not None:

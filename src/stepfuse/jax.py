@@ -10,6 +10,7 @@ update. ``fit`` is a pure function of ``(state, *batch)``: it composes with
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -203,7 +204,7 @@ class Fit:
         with self._notify(int(state.step) if notify else None, n):
             state, (buf, applied, stop), aux = self._fused(state, batch, np.int32(n), scan_steps=scan_steps)
             if notify:
-                jax.block_until_ready(buf)
+                self._notifier.done(applied)
         if self._callback_error is not None:
             raise self._callback_error
         k = self.opts.record_every
@@ -219,7 +220,7 @@ class Fit:
     def _notify(self, start, n):
         if not self.opts.notify or start is None:
             self._notifier = None
-            return _Null()
+            return contextlib.nullcontext()
         self._notifier = Notifier(self.opts, start, n, label="stepfuse.jax")
         return self._notifier
 
@@ -351,20 +352,13 @@ class Fit:
             held["params"], held["opt"] = token
 
         start = int(state.step)
-        with Notifier(self.opts, start, n, label="stepfuse.jax") if self.opts.notify else _Null() as note:
+        with Notifier(self.opts, start, n, label="stepfuse.jax") as note:
             trace = run_stepwise(propose, commit, n, self.opts, start, note if self.opts.notify else None)
+            note.done(trace.steps)
         trace = Trace(trace.loss.astype(np.float32), trace.steps, trace.stop, trace.record_every)
         new = FitState(held["params"], held["opt"], jnp.int32(start + trace.steps))
         trace = finish(trace, self.opts, start)
         return (new, trace, held["aux"]) if self.has_aux else (new, trace)
-
-
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
 
 
 def fuse(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import math
 import types
 import warnings
@@ -36,7 +37,7 @@ from ._loop import Notifier, finish, run_stepwise
 from ._options import OPTIONS_DOC, Options, check_call_steps, check_int, check_options
 from ._trace import Stop, Trace, host_trace, n_recorded
 
-__all__ = ["fuse", "FusedFit", "SUPPORTED_OPTIMIZERS"]
+__all__ = ["fuse", "FusedFit", "BatchError", "SUPPORTED_OPTIMIZERS"]
 
 _MODES = ("fused", "stepwise")
 _DEFAULT_CHUNK = 4  # steps per while_loop iteration (compile cost grows with it; see benchmarks)
@@ -220,6 +221,17 @@ def _find_modules(loss_fn) -> List[nn.Module]:
         for name in code.co_names:
             add(g.get(name))
     return found
+
+
+class BatchError(ValueError, RuntimeError):
+    """The batch does not fit ``loss_fn`` (torch's own error is its ``__cause__``).
+
+    Raised on the first call with a new batch signature, before anything runs, when
+    ``loss_fn(*batch)`` raises a ``RuntimeError`` (torch's shape / dtype / device
+    errors), a ``ValueError`` (e.g. mismatched batch sizes) or an ``IndexError`` (a
+    label out of range). A ``ValueError`` naming the argument, and still a
+    ``RuntimeError`` so ``except RuntimeError`` around torch code keeps working.
+    """
 
 
 def _bad(exc, name, value, want, fix):
@@ -504,8 +516,28 @@ class FusedFit:
                     for b in batch)
         if sig in self._probed:
             return
+        try:
+            signature = inspect.signature(self.loss_fn)
+        except (TypeError, ValueError):  # builtins and some C callables have none
+            signature = None
+        if signature is not None:
+            try:
+                signature.bind(*batch)
+            except TypeError as e:
+                raise TypeError(f"`batch` does not fit `loss_fn{signature}`: got {len(batch)} "
+                                f"positional arguments ({e}). Call fit(*batch) with the arguments "
+                                "of loss_fn (nothing was run or changed).") from None
         with torch.enable_grad():
-            loss = self.loss_fn(*batch)
+            try:
+                loss = self.loss_fn(*batch)
+            except (RuntimeError, ValueError, IndexError) as e:  # torch's shape / dtype / label errors
+                shapes = ", ".join(f"{tuple(b.shape)} {b.dtype}" if isinstance(b, torch.Tensor)
+                                   else type(b).__name__ for b in batch)
+                first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+                raise BatchError(
+                    f"`batch` does not fit `loss_fn`: loss_fn(*batch) on arguments ({shapes}) raised "
+                    f"{type(e).__name__}: {first.rstrip('.')}. Pass tensors of the shapes and dtypes the model "
+                    "expects (nothing was run or changed).") from e
             fix = "Return one floating-point scalar computed from the model, e.g. F.cross_entropy(model(x), y)."
             if not isinstance(loss, torch.Tensor):
                 _bad(TypeError, "loss_fn", loss, "a function returning a scalar tensor", fix)
@@ -637,8 +669,10 @@ class FusedFit:
 
     def _call_stepwise(self, batch, n, start) -> Trace:
         with Notifier(self.opts, start, n, "stepfuse.torch") as note:
-            return run_stepwise(lambda: self._propose(batch), self._commit, n, self.opts, start,
-                                note if self.opts.notify else None)
+            trace = run_stepwise(lambda: self._propose(batch), self._commit, n, self.opts, start,
+                                 note if self.opts.notify else None)
+            note.done(trace.steps)
+            return trace
 
     # fused: eager first step if the optimizer has no state yet, then program segments ------
 
@@ -678,6 +712,7 @@ class FusedFit:
                 stop = Stop(code)
                 if notify is not None and applied and self.step % every == 0:
                     notify(self.step, float(last))
+            note.done(self.step - start)
         loss = np.concatenate(losses) if losses else np.zeros(0, np.float32)
         return host_trace(loss, self.step - start, stop, re)
 

@@ -306,6 +306,7 @@ class Fit:
                 raise
             finally:
                 self._notifier = None
+            notifier.done(applied)
         self.step = start + int(applied)
         return finish(host_trace(losses.numpy(), int(applied), int(stop), self.opts.record_every),
                       self.opts, start)
@@ -367,6 +368,7 @@ class Fit:
         with Notifier(self.opts, start, n, label="stepfuse.tf") as notifier:
             trace = run_stepwise(propose, commit, n, self.opts, start,
                                  notifier if self.opts.notify else None)
+            notifier.done(trace.steps)
         return finish(trace, self.opts, start)
 
 
