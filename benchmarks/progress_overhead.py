@@ -13,75 +13,21 @@ import argparse
 import io
 import time
 
+from stepfuse.bench.seed import BACKENDS, seed_fit
 from stepfuse.demo import available_backends
-from stepfuse.problems import SEED_LR, blobs, perceptron_init
-
-
-def _jax_fit(progress, n):
-    import optax
-
-    import stepfuse.jax as sf
-
-    x, y = blobs()
-
-    def loss_fn(p, x, y):
-        return optax.softmax_cross_entropy_with_integer_labels(x @ p["kernel"] + p["bias"], y).mean()
-
-    kw = {"progress": True, "every": 1000} if progress else {}
-    fit = sf.fuse(loss_fn, optax.sgd(SEED_LR), steps=n, **kw)
-    state = fit.init(perceptron_init())
-    return lambda: fit(state, x, y)[1].steps
-
-
-def _tf_fit(progress, n):
-    import keras
-    import tensorflow as tf
-
-    import stepfuse.tf as sf
-
-    x, y = (tf.constant(a) for a in blobs())
-    p = perceptron_init()
-    kernel, bias = tf.Variable(p["kernel"]), tf.Variable(p["bias"])
-
-    def loss_fn(x, y):
-        logits = tf.matmul(x, kernel) + bias
-        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
-
-    kw = {"progress": True, "every": 1000} if progress else {}
-    fit = sf.fuse(loss_fn, keras.optimizers.SGD(SEED_LR), [kernel, bias], steps=n, **kw)
-    return lambda: fit(x, y).steps
-
-
-def _torch_fit(progress, n):
-    import torch
-
-    import stepfuse.torch as sf
-
-    xn, yn = blobs()
-    x, y = torch.from_numpy(xn), torch.from_numpy(yn).long()
-    model = torch.nn.Linear(2, 2)
-    with torch.no_grad():
-        model.weight.fill_(1.0)
-        model.bias.zero_()
-    kw = {"progress": True, "every": 1000} if progress else {}
-    fit = sf.fuse(lambda x, y: torch.nn.functional.cross_entropy(model(x), y),
-                  torch.optim.SGD(model.parameters(), lr=SEED_LR), steps=n, model=model, **kw)
-    return lambda: fit(x, y).steps
-
-
-FITS = {"jax": _jax_fit, "tf": _tf_fit, "torch": _torch_fit}
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100_000)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--backends", nargs="+", default=[b for b in available_backends() if b in FITS])
+    ap.add_argument("--backends", nargs="+", default=[b for b in available_backends() if b in BACKENDS])
     args = ap.parse_args(argv)
     import contextlib
 
     for backend in args.backends:
-        runs = {name: FITS[backend](name == "progress", args.steps) for name in ("plain", "progress")}
+        runs = {"plain": seed_fit(backend, args.steps),
+                "progress": seed_fit(backend, args.steps, progress=True, every=1000)}
         cpu = {name: float("inf") for name in runs}
         wall = dict(cpu)
         with contextlib.redirect_stdout(io.StringIO()):  # keep the bars off the report

@@ -194,6 +194,7 @@ def _bench(args) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``stepfuse`` command."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up log is noise here
     try:
         args = build_parser().parse_args(argv)
         code = _demo(args) if args.command == "demo" else _bench(args)

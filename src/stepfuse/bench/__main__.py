@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 
 from ._timing import measure, print_table, write_json
 from .problems import MAX_STEPS
@@ -23,6 +24,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     module = importlib.import_module(MODULES[args.backend])
     results = []
     for size in args.sizes:

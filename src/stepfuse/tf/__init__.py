@@ -98,7 +98,7 @@ def _all_finite(tensors) -> tf.Tensor:
             continue
         if isinstance(t, tf.IndexedSlices):
             t = t.values
-        if t.dtype.is_floating or t.dtype.is_complex:
+        if t.dtype.base_dtype.is_floating:
             ok = tf.logical_and(ok, tf.reduce_all(tf.math.is_finite(t)))
     return ok
 
@@ -384,6 +384,7 @@ def _check_loss(loss, loss_fn) -> None:
     if not t.dtype.is_floating:
         _fail(TypeError, "loss_fn", loss_fn, "a function returning a floating-point scalar",
               f"It returned dtype {t.dtype.name}; cast it, e.g. tf.cast(loss, tf.float32).")
+    return t
 
 
 def fuse(

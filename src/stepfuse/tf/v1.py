@@ -16,17 +16,13 @@ import tensorflow as tf
 
 from .._loop import finish, run_stepwise
 from .._options import Options, check_int, check_options
-from . import _MIN_CHUNK, _inner_loop, _outer_loop
+from . import _MIN_CHUNK, _all_finite, _check_loss, _fail, _inner_loop, _outer_loop
 from .._trace import Stop, Trace, host_trace
 
 __all__ = ["fuse", "Fused", "Stepwise", "copies_train_op"]
 
 tf1 = tf.compat.v1
 _DEFAULT_CHUNK = 1024
-
-
-def _fail(exc, name: str, value: Any, want: str, fix: str):
-    raise exc(f"`{name}` must be {want}; got {value!r} ({type(value).__name__}). {fix}")
 
 
 def _check_graph_mode() -> None:
@@ -55,21 +51,6 @@ def _as_var(v):
     return v
 
 
-def _check_loss(loss, loss_fn):
-    try:
-        t = tf.convert_to_tensor(loss)
-    except (TypeError, ValueError):
-        _fail(TypeError, "loss_fn", loss_fn, "a function returning a scalar float tensor",
-              f"It returned {loss!r}; return e.g. tf.reduce_mean(...).")
-    if t.shape.rank != 0:
-        _fail(ValueError, "loss_fn", loss_fn, "a function returning a scalar (shape ())",
-              f"It returned a tensor of shape {t.shape}; reduce it, e.g. tf.reduce_mean(loss).")
-    if not t.dtype.is_floating:
-        _fail(TypeError, "loss_fn", loss_fn, "a function returning a floating-point scalar",
-              f"It returned dtype {t.dtype.name}; cast it, e.g. tf.cast(loss, tf.float32).")
-    return t
-
-
 def _check_var_list(var_list, given) -> list:
     fix = ("Pass var_list=None for the graph's trainable variables, or a non-empty list of "
            "trainable floating-point variables that loss_fn reads.")
@@ -85,18 +66,6 @@ def _check_var_list(var_list, given) -> list:
             _fail(TypeError, "var_list", given, "floating-point variables",
                   f"{v.name} has dtype {v.dtype.base_dtype.name}. " + fix)
     return var_list
-
-
-def _all_finite(tensors) -> tf.Tensor:
-    checks = []
-    for t in tensors:
-        if t is None:
-            continue
-        if isinstance(t, tf.IndexedSlices):
-            t = t.values
-        if t.dtype.base_dtype.is_floating:
-            checks.append(tf.reduce_all(tf.math.is_finite(t)))
-    return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
 
 
 def _reuse_scope():
