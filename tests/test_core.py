@@ -110,3 +110,18 @@ def test_stepwise_driver_notifies_on_global_step_multiples():
     opts = check_options(steps=10, callback=lambda s, l: seen.append(s), every=4)
     run_stepwise(q.propose, q.commit, 10, opts, 2, notify=lambda s, l: seen.append(s))
     assert seen == [4, 8, 12]
+
+
+def test_deferred_interrupts_holds_ctrl_c_until_the_block_is_done():
+    import os
+    import signal
+
+    from stepfuse._loop import deferred_interrupts
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_interrupts():
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("finished the block first")
+    assert done == ["finished the block first"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

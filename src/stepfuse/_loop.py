@@ -14,7 +14,10 @@ tests hold them to it.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
+import threading
 from typing import Any, Callable, Tuple
 
 import numpy as np
@@ -22,7 +25,7 @@ import numpy as np
 from ._options import Options
 from ._trace import NonFiniteError, Stop, Trace, host_trace
 
-__all__ = ["run_stepwise", "finish", "Notifier"]
+__all__ = ["run_stepwise", "finish", "Notifier", "deferred_interrupts"]
 
 
 def run_stepwise(
@@ -105,3 +108,26 @@ class Notifier:
             self._bar.update(self._task, completed=step - self.start, loss=loss)
         if self.callback is not None:
             self.callback(step, loss)
+
+
+@contextlib.contextmanager
+def deferred_interrupts():
+    """Hold back Ctrl-C (SIGINT) while a backend writes one step's results into the user's
+    objects, and raise it once they are consistent again (parameters, optimizer state and
+    step counter all at the same step). Outside the main thread, signals cannot arrive
+    there anyway, and this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        if callable(previous):
+            previous(signal.SIGINT, None)
+        else:
+            raise KeyboardInterrupt

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._loop import Notifier, finish, run_stepwise
+from ._loop import Notifier, deferred_interrupts, finish, run_stepwise
 from ._options import OPTIONS_DOC, Options, check_call_steps, check_int, check_options
 from ._trace import Stop, Trace, host_trace, n_recorded
 
@@ -661,11 +661,11 @@ class FusedFit:
 
     def _commit(self, token) -> None:
         new_p, new_s = token
-        with torch.no_grad():
+        with deferred_interrupts(), torch.no_grad():  # parameters, state and step move together
             for p, v in zip(self._params, new_p):
                 p.copy_(v)
-        _restore(self.optimizer, self._params, new_s)
-        self.step += 1
+            _restore(self.optimizer, self._params, new_s)
+            self.step += 1
 
     def _call_stepwise(self, batch, n, start) -> Trace:
         with Notifier(self.opts, start, n, "stepfuse.torch") as note:
@@ -703,11 +703,12 @@ class FusedFit:
                 _, code, applied, prev, last, buf = out[:6]
                 code, applied = int(code), int(applied)
                 P = len(params)
-                self._write_back(out[6:6 + P], out[6 + P:])
                 evaluated = applied + (1 if code == Stop.NONFINITE else 0)
                 kept = n_recorded(i + evaluated, re) - n_recorded(i, re)
                 losses.append(buf[:kept].detach().cpu().numpy())
-                self.step += applied
+                with deferred_interrupts():  # parameters, state and step move together
+                    self._write_back(out[6:6 + P], out[6 + P:])
+                    self.step += applied
                 i += evaluated
                 stop = Stop(code)
                 if notify is not None and applied and self.step % every == 0:

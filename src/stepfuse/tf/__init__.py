@@ -8,6 +8,7 @@ TF1 graph mode (``sess.run``) lives in `stepfuse.tf.v1`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import textwrap
 import warnings
@@ -17,7 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from .._loop import Notifier, finish, run_stepwise
+from .._loop import Notifier, deferred_interrupts, finish, run_stepwise
 from .._options import OPTIONS_DOC, Options, check_call_steps, check_options
 from .._trace import Stop, Trace, host_trace
 
@@ -293,7 +294,10 @@ class Fit:
         if self.opts.mode == "stepwise":
             return self._call_stepwise(batch, n, start)
         self._callback_error, self._notified_step = None, None
-        with Notifier(self.opts, start, n, label="stepfuse.tf") as notifier:
+        # Without callbacks no Python runs during the call, so Ctrl-C could only land between
+        # the variables' update and `self.step`'s: hold it until both are done.
+        hold = contextlib.nullcontext() if self.opts.notify else deferred_interrupts()
+        with hold, Notifier(self.opts, start, n, label="stepfuse.tf") as notifier:
             self._notifier = notifier
             try:
                 losses, applied, stop = self._run(n, start, batch)
@@ -307,7 +311,7 @@ class Fit:
             finally:
                 self._notifier = None
             notifier.done(applied)
-        self.step = start + int(applied)
+            self.step = start + int(applied)
         return finish(host_trace(losses.numpy(), int(applied), int(stop), self.opts.record_every),
                       self.opts, start)
 
@@ -362,8 +366,9 @@ class Fit:
             return float(loss), bool(finite), new
 
         def commit(new):
-            commit_fn(new)
-            self.step += 1
+            with deferred_interrupts():  # variables, optimizer state and step move together
+                commit_fn(new)
+                self.step += 1
 
         with Notifier(self.opts, start, n, label="stepfuse.tf") as notifier:
             trace = run_stepwise(propose, commit, n, self.opts, start,
