@@ -12,7 +12,7 @@ from ..problems import blobs, mlp_init, perceptron_init
 SIZES = ("seed", "mlp", "wide")
 
 # Steps above which a size is too slow on a small CPU to be worth timing in full.
-MAX_STEPS = {"seed": 10_000, "mlp": 10_000, "wide": 100}
+MAX_STEPS = {"seed": 10_000, "mlp": 10_000, "wide": 10}
 
 
 def problem(size: str):
