@@ -10,6 +10,7 @@ import pytest
 
 import stepfuse.jax as sf
 from stepfuse import NonFiniteError, Stop
+from stepfuse.bench.jax import mlp_loss  # a tanh MLP with softmax cross-entropy
 from stepfuse.problems import blobs, mlp_init, perceptron_init
 
 X, Y = blobs()
@@ -18,14 +19,6 @@ RTOL, ATOL = 1e-6, 1e-7
 
 def perceptron_loss(params, x, y):
     logits = x @ params["kernel"] + params["bias"]
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-
-def mlp_loss(params, x, y):
-    h = x
-    for layer in params[:-1]:
-        h = jnp.tanh(h @ layer["kernel"] + layer["bias"])
-    logits = h @ params[-1]["kernel"] + params[-1]["bias"]
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 

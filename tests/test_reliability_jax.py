@@ -26,16 +26,10 @@ PROBLEM_SRC = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np, optax
     import stepfuse.jax as sf
     from stepfuse import checkpoint
+    from stepfuse.bench.jax import mlp_loss
     from stepfuse.problems import blobs, mlp_init
 
     X, Y = blobs()
-
-    def mlp_loss(params, x, y):
-        h = x
-        for layer in params[:-1]:
-            h = jnp.tanh(h @ layer["kernel"] + layer["bias"])
-        logits = h @ params[-1]["kernel"] + params[-1]["bias"]
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
     def make_fit(steps):
         return sf.fuse(mlp_loss, optax.adam(0.01), steps=steps)
