@@ -1,8 +1,15 @@
-"""The benchmark plot: microseconds per step against N, one line per contender (log-log)."""
+"""The benchmark plot: microseconds per step against N, one line per contender (log-log).
+
+One panel per problem size; one colour per backend, stepfuse drawn solid and thick, the
+other contenders of that backend dashed with their own markers.
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
+
+_COLORS = {"jax": "tab:blue", "tf": "tab:orange", "tf1": "tab:green", "torch": "tab:red"}
+_MARKERS = "sv^Dx*P"
 
 
 def plot_results(results, path: str) -> None:
@@ -11,24 +18,32 @@ def plot_results(results, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({r.problem for r in results})
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    panels = sorted({r.problem for r in results}, key=["seed", "mlp", "wide"].index)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
     for ax, problem in zip(axes[0], panels):
         lines = defaultdict(list)
         for r in results:
             if r.problem == problem:
-                lines[(r.backend, r.contender)].append((r.steps, r.us_per_step))
+                lines[(r.backend, r.contender)].append((r.n or r.steps, r.us_per_step))
+        others = defaultdict(int)
         for (backend, contender), pts in sorted(lines.items()):
             pts.sort()
-            style = "-" if contender == "stepfuse" or contender.startswith("stepfuse") else "--"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", ms=3,
-                    label=f"{backend}: {contender}")
+            color = _COLORS.get(backend, "gray")
+            if contender == "stepfuse":
+                style = dict(ls="-", lw=2.5, marker="o")
+            else:
+                style = dict(ls="--", lw=1, marker=_MARKERS[others[backend] % len(_MARKERS)])
+                others[backend] += 1
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, ms=4,
+                    label=f"{backend}: {contender}", **style)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("N (steps per call)")
         ax.set_ylabel("us per step")
         ax.set_title(problem)
-        ax.legend(fontsize=6)
-    fig.tight_layout()
+        ax.grid(True, which="major", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.22, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)

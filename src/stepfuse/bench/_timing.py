@@ -27,6 +27,7 @@ class Result:
     build_s: float
     ratio: Optional[float] = None  # us_per_step / stepfuse's us_per_step on the same row group
     note: str = ""
+    n: int = 0  # the N of the row group (a slow contender may be timed on fewer `steps`)
 
 
 def time_call(run: Callable[[int], object], n: int, repeats: int = 5, min_time: float = 0.2) -> float:
@@ -64,7 +65,7 @@ def measure(
         t0 = time.perf_counter()
         run = build()
         run(m)  # first call: tracing / compiling / graph building
-        results[name] = Result(backend, problem, name, m, float("inf"), time.perf_counter() - t0)
+        results[name] = Result(backend, problem, name, m, float("inf"), time.perf_counter() - t0, n=n)
         runs[name] = (run, m)
     for _ in range(repeats):  # interleave the contenders
         for name, (run, m) in runs.items():
