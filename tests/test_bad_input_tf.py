@@ -155,7 +155,7 @@ def test_tf2_bad_input_names_argument_and_changes_nothing(case, action, pattern)
 
 def test_tf2_batch_error_carries_tf_message_and_shapes():
     w = World()
-    with pytest.raises(ValueError, match=r"`batch`.*float32\[50, 1\].*Dimensions must be equal") as err:
+    with pytest.raises(ValueError, match=r"`batch`.*float32\[50, 1\].*Dimensions must be equal"):
         w.fit()(X[:, :1], Y)
     w.unchanged()
 

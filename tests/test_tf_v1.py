@@ -4,7 +4,6 @@ Every graph is built inside ``with tf.Graph().as_default():`` and run with
 ``tf.compat.v1.Session(graph=...)``, so eager execution stays on for the TF2 tests.
 """
 
-import math
 
 import keras
 import numpy as np

@@ -11,7 +11,6 @@ update. ``fit`` is a pure function of ``(state, *batch)``: it composes with
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax

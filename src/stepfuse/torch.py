@@ -223,6 +223,18 @@ def _find_modules(loss_fn) -> List[nn.Module]:
     return found
 
 
+def _interrupt_inside(error: BaseException) -> Optional[BaseException]:
+    """A KeyboardInterrupt (or other non-``Exception``) that torch wrapped, e.g. dynamo's
+    ``BackendCompilerFailed`` around a Ctrl-C that landed during a compile."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if not isinstance(error, Exception):
+            return error
+        error = (getattr(error, "inner_exception", None) or error.__cause__ or error.__context__)
+    return None
+
+
 class BatchError(ValueError, RuntimeError):
     """The batch does not fit ``loss_fn`` (torch's own error is its ``__cause__``).
 
@@ -585,6 +597,9 @@ class FusedFit:
                 self._run_compiled(0, 0, prev, params, states, batch)
         except Exception as e:  # noqa: BLE001 - any compile failure means: run stepwise
             self._program = None
+            interrupt = _interrupt_inside(e)
+            if interrupt is not None:  # Ctrl-C during the compile is the user's, not a failure
+                raise interrupt from None
             inner = getattr(e, "inner_exception", None) or e
             lines = [ln for ln in str(inner).splitlines() if ln.strip()]
             self._fall_back(f"the fused program could not be built ({type(inner).__name__}: "

@@ -12,7 +12,7 @@ import contextlib
 import math
 import textwrap
 import warnings
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import keras
 import numpy as np

@@ -8,7 +8,6 @@ chained copies of the step), kept as the baseline the tests and benchmarks compa
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
@@ -17,7 +16,7 @@ import tensorflow as tf
 from .._loop import finish, run_stepwise
 from .._options import Options, check_int, check_options
 from . import _MIN_CHUNK, _all_finite, _check_loss, _fail, _inner_loop, _outer_loop
-from .._trace import Stop, Trace, host_trace
+from .._trace import Trace, host_trace
 
 __all__ = ["fuse", "Fused", "Stepwise", "copies_train_op"]
 
