@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from .._loop import Notifier, deferred_interrupts, finish, run_stepwise
+from .._options import _fail as _options_fail
 from .._options import OPTIONS_DOC, Options, check_call_steps, check_options
 from .._trace import Stop, Trace, host_trace
 
@@ -40,8 +41,9 @@ class _ArgValueError(ValueError, _ArgumentError):
 
 
 def _fail(exc, name: str, value: Any, want: str, fix: str):
-    exc = {TypeError: _ArgTypeError, ValueError: _ArgValueError}.get(exc, exc)
-    raise exc(f"`{name}` must be {want}; got {value!r} ({type(value).__name__}). {fix}")
+    """The shared argument error (`stepfuse._options._fail`), marked as stepfuse's own."""
+    marked = {TypeError: _ArgTypeError, ValueError: _ArgValueError}.get(exc, exc)
+    _options_fail(marked, name, value, want, fix)
 
 
 def _tf_var(v):
