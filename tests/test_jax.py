@@ -283,6 +283,50 @@ def test_callback_fires_from_inside_the_loop_at_global_steps():
     assert seen[0][1] == pytest.approx(t1.loss[3], rel=1e-6)  # the loss before update 4
 
 
+def test_callbacks_through_stepfuse_ffi_target_match_jax_debug_callback(monkeypatch):
+    """On CPU the loop calls the host through stepfuse's own FFI target; without it
+    (another backend, or a jaxlib whose FFI layout it doesn't know) jax.debug.callback."""
+    from stepfuse import _jax_host
+
+    def run():
+        seen = []
+        fit = sf.fuse(perceptron_loss, optax.adam(0.05), steps=12,
+                      callback=lambda s, l: seen.append((s, l)), every=5)
+        state, t1 = fit(fit.init(perceptron_init()), X, Y)
+        fit(state, X, Y, steps=9)
+        return fit, seen, t1
+
+    fast, seen_fast, t1 = run()
+    if jax.default_backend() == "cpu":
+        assert fast._host_id is not None and _jax_host.available()
+    monkeypatch.setattr(_jax_host, "register", lambda receiver: None)
+    slow, seen_slow, _ = run()
+    assert slow._host_id is None
+    assert [s for s, _ in seen_fast] == [5, 10, 15, 20] and seen_fast == seen_slow
+    assert seen_fast[1][1] == pytest.approx(t1.loss[9], rel=1e-6)
+
+
+def test_ffi_handler_ignores_unknown_and_collected_receivers():
+    from stepfuse import _jax_host
+
+    if not _jax_host.available():
+        pytest.skip("stepfuse's FFI target is for XLA:CPU")
+    got = []
+
+    class Receiver:
+        def take(self, values):
+            got.append(values)
+
+    r = Receiver()
+    rid = _jax_host.register(r.take)
+    send = jax.jit(lambda v: (_jax_host.send(rid, v), _jax_host.send(10**6, v), v)[1])
+    jax.block_until_ready(send(jnp.arange(4, dtype=jnp.int32).reshape(2, 2)))
+    assert got == [(0, 1, 2, 3)]
+    del r  # held weakly: later sends reach nobody and do no harm
+    jax.block_until_ready(send(jnp.zeros((2, 2), jnp.int32)))
+    assert got == [(0, 1, 2, 3)]
+
+
 def test_callback_exception_reaches_the_caller():
     def bad(step, loss):
         raise RuntimeError(f"stop at {step}")
