@@ -125,3 +125,28 @@ def test_deferred_interrupts_holds_ctrl_c_until_the_block_is_done():
             done.append("finished the block first")
     assert done == ["finished the block first"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_notifier_watch_updates_the_bar_from_a_thread_and_shows_the_last_value():
+    import threading
+    import time
+
+    from stepfuse._loop import Notifier
+
+    opts = check_options(steps=100, progress=True, every=10)
+    published = [math.nan, math.nan]  # what a fused loop writes: (step, loss)
+    seen_during = threading.Event()
+    with Notifier(opts, 5, 100) as notifier:
+        bar = notifier._bar
+        notifier.watch(lambda: tuple(published), interval=0.01)
+        notifier.watch(lambda: (0.0, 0.0))  # a second watch is ignored
+        published[:] = [45.0, 0.25]
+        for _ in range(500):
+            if bar.tasks[0].completed == 40:
+                seen_during.set()
+                break
+            time.sleep(0.01)
+        published[:] = [105.0, 0.125]  # the end of the call: shown once the block exits
+    assert seen_during.is_set()
+    assert bar.tasks[0].completed == 100 and bar.tasks[0].fields["loss"] == 0.125
+    assert not any(t.name == "stepfuse-progress" for t in threading.enumerate())

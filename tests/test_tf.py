@@ -192,6 +192,25 @@ def test_progress_bar_runs():
     assert fit().steps == 20
 
 
+def test_progress_alone_is_published_from_the_loop_for_a_thread_to_read(data, capsys):
+    # A bar without a callback: each chunk writes (step, loss) into a variable that a
+    # host thread reads; the loop never calls Python. With a callback: tf.numpy_function.
+    x, y = data
+    _, variables, loss_fn = make_problem("perceptron")
+    fit = sf.fuse(loss_fn, keras.optimizers.SGD(0.01), variables, steps=30, progress=True, every=7)
+    t1 = fit(x, y)
+    step, loss = fit._published.numpy()
+    assert step == 30 and loss == pytest.approx(t1.loss[-1], rel=1e-7)
+    fit(x, y, steps=10)
+    assert fit._published.numpy()[0] == 40
+    assert "10/10" in capsys.readouterr().out
+    seen = []
+    both = sf.fuse(loss_fn, keras.optimizers.SGD(0.01), variables, steps=30, progress=True, every=7,
+                   callback=lambda s, l: seen.append(s))
+    both(x, y)
+    assert both._published is None and seen == [7, 14, 21, 28]
+
+
 def test_uncompilable_op_falls_back_without_xla_with_a_warning(data):
     x, y = data
     model, variables, loss_fn = make_problem("perceptron")

@@ -88,13 +88,44 @@ class Notifier:
             self._task = self._bar.add_task("fit", total=n, loss=math.nan)
 
     def __enter__(self) -> "Notifier":
+        self._watcher = None
         if self._bar is not None:
             self._bar.start()
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._watcher is not None:
+            stop, thread, read = self._watcher
+            stop.set()
+            thread.join()
+            self._show(read())
         if self._bar is not None:
             self._bar.stop()
+
+    def watch(self, read: Callable[[], Any], interval: float = 0.1) -> None:
+        """Update the progress bar from ``read() -> (step, loss)`` every ``interval`` seconds
+        until the ``with`` block ends, in a thread of its own.
+
+        For a bar alone (no ``callback``) a backend may publish its progress where a
+        thread can read it, rather than call the host synchronously from its loop:
+        the loop then never waits for Python.
+        """
+        if self._bar is None or self._watcher is not None:
+            return
+        stop = threading.Event()
+
+        def run():
+            while not stop.wait(interval):
+                self._show(read())
+
+        thread = threading.Thread(target=run, name="stepfuse-progress", daemon=True)
+        self._watcher = (stop, thread, read)
+        thread.start()
+
+    def _show(self, value) -> None:
+        step, loss = value
+        if step == step and step > self.start:  # NaN before the first published step
+            self._bar.update(self._task, completed=int(step) - self.start, loss=float(loss))
 
     def done(self, applied: int) -> None:
         """Show the updates the call applied when it returned normally (the bar otherwise

@@ -280,8 +280,8 @@ def fuse(
             ok = tf.cond(ok, keep, restore)
         return loss, ok
 
-    def inner_py(m, i0, prev, step0):
-        return _inner_loop(step, m, i0, prev, step0, opts, cap)
+    def inner_py(m, i0, prev):
+        return _inner_loop(step, m, i0, prev, opts, cap)
 
     # The inner loop is a tf.function (XLA-compiled by default) called from this graph:
     # it captures the placeholders and variables; automatic control dependencies order
