@@ -71,28 +71,11 @@ def test_graph_size_does_not_grow_with_steps():
 
 def test_steps_placeholder_changes_steps_per_run_without_rebuilding():
     # One graph whose steps is an int32 placeholder, fed 1, 3, 300.
-    from stepfuse.problems import perceptron_init
-
-    p = perceptron_init()
-    g = tf.Graph()
-    with g.as_default():
-        x = tf1.placeholder(tf.float32, [None, 2])
-        y = tf1.placeholder(tf.int32, [None])
-        n_ph = tf1.placeholder(tf.int32, [])
-
-        def loss_fn():
-            k = tf1.get_variable("kernel", initializer=p["kernel"])
-            b = tf1.get_variable("bias", initializer=p["bias"])
-            return sparse_ce(y, tf.matmul(x, k) + b)
-
-        f = v1.fuse(loss_fn, tf1.train.GradientDescentOptimizer(0.01), steps=n_ph)
-        init = tf1.global_variables_initializer()
-    s = tf1.Session(graph=g)
-    s.run(init)
+    g, s, f, x, y = seed_graph("placeholder")
     ops_before = len(g.get_operations())
     gr, sr, fr, xr, yr = seed_graph(1, kind="stepwise")
     for n in (1, 3, 300):
-        losses, _ = s.run([f.losses, f.train_op], {x: XS, y: YS, n_ph: n})
+        losses, _ = s.run([f.losses, f.train_op], {**feed(x, y), f.steps: n})
         ref = fr.run(sr, feed(xr, yr), steps=n)
         assert losses.shape == (n,)
         np.testing.assert_allclose(losses, ref.loss, rtol=1e-6, atol=1e-7)
@@ -102,6 +85,28 @@ def test_steps_placeholder_changes_steps_per_run_without_rebuilding():
     # The int form feeds its own placeholder_with_default the same way.
     g2, s2, f2, x2, y2 = seed_graph(3)
     assert f2.run(s2, feed(x2, y2), steps=5).steps == 5 and s2.run(f2.steps) == 3
+
+
+def test_int_steps_run_at_most_one_chunk_and_tensor_steps_chain_chunks():
+    # An int `steps` builds one call of the XLA loop per run (no graph loop around it):
+    # feeding more than its chunk fails, naming `steps`, before any variable changes.
+    g, s, f, x, y = seed_graph(3, chunk=4)
+    before = s.run(f.state)
+    with pytest.raises(ValueError, match=r"`steps`.*at most 4.*chunk"):
+        f.run(s, feed(x, y), steps=5)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="at most 4"):
+        s.run(f.train_op, {**feed(x, y), f.steps: 5})
+    for a, b in zip(s.run(f.state), before):
+        np.testing.assert_array_equal(a, b)
+    assert f.max_steps == 4 and f.run(s, feed(x, y), steps=4).steps == 4
+    # A tensor `steps` chains chunks of 4 inside one run: 11 steps equal the reference.
+    g2, s2, f2, x2, y2 = seed_graph("placeholder", chunk=4)
+    assert f2.max_steps is None
+    losses, applied, _ = s2.run([f2.losses, f2.steps_taken, f2.train_op], {**feed(x2, y2), f2.steps: 11})
+    gr, sr, fr, xr, yr = seed_graph(1, kind="stepwise")
+    ref = fr.run(sr, feed(xr, yr), steps=11)
+    assert applied == 11
+    np.testing.assert_allclose(losses, ref.loss, rtol=1e-6, atol=1e-7)
 
 
 def _keras_or_variable_graph(opt_fn, kind, steps, use_keras):

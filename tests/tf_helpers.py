@@ -85,6 +85,7 @@ def seed_graph(steps=None, kind="fused", optimizer=None, **kw):
 
     ``kind``: "fused" / "stepwise" (stepfuse.tf.v1.fuse) or "copies" (N chained copies;
     then ``handle`` is ``(train_op, losses)``) or "plain" (one-step train_op).
+    ``steps="placeholder"`` gives fuse an int32 placeholder (``handle.steps``) instead.
     """
     import stepfuse.tf.v1 as v1
 
@@ -93,6 +94,8 @@ def seed_graph(steps=None, kind="fused", optimizer=None, **kw):
     with g.as_default():
         x = tf1.placeholder(tf.float32, [None, 2], name="x")
         y = tf1.placeholder(tf.int32, [None], name="y")
+        if steps == "placeholder":
+            steps = tf1.placeholder(tf.int32, [], name="steps")
 
         def loss_fn():
             k = tf1.get_variable("kernel", initializer=p["kernel"])

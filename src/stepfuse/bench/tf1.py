@@ -27,7 +27,7 @@ CONTENDERS = ("stepfuse", "sess.run per step", "N copies (seed answer)")
 MAX_COPIES = 100
 
 NOTES = {
-    "stepfuse": "stepfuse.tf.v1: one sess.run, tf.while_loop with an XLA inner loop",
+    "stepfuse": "stepfuse.tf.v1: one sess.run calling one XLA-compiled tf.while_loop",
     "sess.run per step": "optimizer.minimize, one sess.run per step",
     "N copies (seed answer)": (f"graph of min(N, {MAX_COPIES}) chained copies, run ceil(m/copies) "
                                "times (larger N takes too long to build)"),
