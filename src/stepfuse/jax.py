@@ -205,7 +205,8 @@ class Fit:
         self._callback_error = None
         with self._notify(int(state.step) if notify else None, n):
             # Outside any user transform the loop reaches the host through stepfuse's own
-            # FFI target (~10x cheaper per call on XLA:CPU); inside one, jax.debug.callback.
+            # FFI target (measured on XLA:CPU: ~20 us per callback in this loop against ~100-200
+            # us for jax.debug.callback); inside one, jax.debug.callback.
             host_id = self._host_id if notify else None
             state, (buf, applied, stop), aux = self._fused(state, batch, np.int32(n), scan_steps=scan_steps,
                                                            host_id=host_id)
