@@ -30,15 +30,24 @@ class Result:
     n: int = 0  # the N of the row group (a slow contender may be timed on fewer `steps`)
 
 
-def time_call(run: Callable[[int], object], n: int, repeats: int = 5, min_time: float = 0.2) -> float:
-    """Best seconds per step of ``run(n)`` over ``repeats`` timed calls (after one warm-up)."""
+def time_call(run: Callable[[int], object], n: int, repeats: int = 5, min_time: float = 0.02) -> float:
+    """Best seconds per step of ``run(n)`` over ``repeats`` timed samples (after one warm-up).
+
+    A sample repeats ``run(n)`` until it has taken ``min_time`` (a short call, such as
+    one ``sess.run`` of one step, is far below the timer's and the machine's noise) and
+    counts the mean of its calls.
+    """
     best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run(n)
-        dt = time.perf_counter() - t0
-        best = min(best, dt)
-        if dt > 10 * min_time and _ >= 1:
+    for r in range(repeats):
+        calls, t0 = 0, time.perf_counter()
+        while True:
+            run(n)
+            calls += 1
+            dt = time.perf_counter() - t0
+            if dt >= min_time or calls >= 10_000:
+                break
+        best = min(best, dt / calls)
+        if dt > 10 * min_time and r >= 1:
             break
     return best / n
 

@@ -7,6 +7,7 @@ with the problem's placeholders and ``tf1.get_variable`` weights, and trains wit
 "N copies (seed answer)" is the seed's accepted answer: N chained copies of
 loss -> gradients -> update in one graph. Its graph (and build time) grows with N, so
 it is built for ``min(N, 100)`` copies and run ``ceil(m / copies)`` times for ``m`` steps.
+Every contender fetches the per-step losses along with the update, as stepfuse does.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ MAX_COPIES = 100
 
 NOTES = {
     "stepfuse": "stepfuse.tf.v1: one sess.run calling one XLA-compiled tf.while_loop",
-    "sess.run per step": "optimizer.minimize, one sess.run per step",
+    "sess.run per step": "optimizer.minimize, one sess.run per step (fetching the loss)",
     "N copies (seed answer)": (f"graph of min(N, {MAX_COPIES}) chained copies, run ceil(m/copies) "
                                "times (larger N takes too long to build)"),
 }
@@ -77,25 +78,27 @@ def contenders(size: str, n: int, lr: float = 0.01):
     def stepfuse():
         sess, fused, feed, _ = graph(layers, xn, yn, lambda f: sf1.fuse(f, opt(), steps=n))
 
-        def run(m):
-            return sess.run([fused.losses, fused.train_op], {**feed, fused.steps: m})[0]
+        def run(m):  # the built `steps` unless told otherwise, as a user would run it
+            return sess.run([fused.losses, fused.train_op], feed if m == n else {**feed, fused.steps: m})[0]
         return run
 
     def per_step():
-        sess, op, feed, _ = graph(layers, xn, yn, lambda f: opt().minimize(f()))
+        def build(f):
+            loss = f()
+            return [loss, opt().minimize(loss)]
+
+        sess, fetches, feed, _ = graph(layers, xn, yn, build)
 
         def run(m):
-            for _ in range(m):
-                sess.run(op, feed)
+            return [sess.run(fetches, feed)[0] for _ in range(m)]
         return run
 
     def copies():
         c = min(n, MAX_COPIES)
-        sess, op, feed, _ = graph(layers, xn, yn, lambda f: sf1.copies_train_op(f, opt(), c)[0])
+        sess, (op, losses), feed, _ = graph(layers, xn, yn, lambda f: sf1.copies_train_op(f, opt(), c))
 
         def run(m):
-            for _ in range(math.ceil(m / c)):
-                sess.run(op, feed)
+            return [sess.run([losses, op], feed)[0] for _ in range(math.ceil(m / c))]
         return run
 
     builders = {"stepfuse": stepfuse, "sess.run per step": per_step, "N copies (seed answer)": copies}

@@ -308,8 +308,8 @@ def fuse(
                 f"chunk it was built with); build with fuse(..., steps=N) for larger N, or "
                 f"with chunk=N, or give steps as an int32 tensor. Got:", n])
             with tf.control_dependencies([fits]):
-                m = tf.identity(n)
-            buf, count, _, applied, stop, _ = inner(m, tf.constant(0, tf.int32), tf.constant(math.nan, tf.float64))
+                buf, count, _, applied, stop, _ = inner(n, tf.constant(0, tf.int32),
+                                                        tf.constant(math.nan, tf.float64))
             losses = buf[:count]
         train_op = tf.group(applied, stop, losses, name="train_op")
     return Fused(train_op=train_op, losses=losses, steps_taken=applied, stop=stop, steps=n,
