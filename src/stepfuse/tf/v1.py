@@ -292,27 +292,34 @@ def fuse(
             ok = tf.cond(ok, keep, restore)
         return loss, ok
 
+    # The step loop is a tf.function (XLA-compiled by default) called from this graph: it
+    # captures the placeholders and variables; automatic control dependencies order every
+    # read and write inside it. A tensor `steps` chains chunks of it in a plain graph loop;
+    # an int `steps` makes a run one call of it.
     def inner_py(m, i0, prev):
         return _inner_loop(step, m, i0, prev, opts, cap)
 
-    # The inner loop is a tf.function (XLA-compiled by default) called from this graph:
-    # it captures the placeholders and variables; automatic control dependencies order
-    # every read and write inside it. The outer loop over chunks is a plain graph loop.
-    inner = tf.function(inner_py, jit_compile=bool(jit_compile), autograph=False)
+    def whole_run_py(m):
+        """All of a run in one call: only what the graph reads comes out."""
+        buf, count, _, applied, stop, _ = _inner_loop(
+            step, m, tf.constant(0, tf.int32), tf.constant(math.nan, tf.float64), opts, cap)
+        return buf, tf.reshape(count, [1]), applied, stop
+
     with tf1.name_scope("stepfuse_loop"):
         if isinstance(steps_given, (tf.Tensor, tf.Variable)):
+            inner = tf.function(inner_py, jit_compile=bool(jit_compile), autograph=False)
             losses, applied, stop = _outer_loop(inner, n, tf.constant(0, tf.int64), opts, chunk)
         else:
-            # At most `chunk` steps per run: one call of the XLA loop, no graph loop around
-            # it (measured: ~80 us less per sess.run, most of a 1-step run's overhead).
+            # At most `chunk` steps per run and no graph loop around the call (measured:
+            # ~50 us less per sess.run, about what the one-step graph of the seed costs).
             fits = tf.debugging.Assert(n <= chunk, [
                 f"stepfuse.tf.v1: `steps` fed to this graph must be at most {chunk} (the "
                 f"chunk it was built with); build with fuse(..., steps=N) for larger N, or "
                 f"with chunk=N, or give steps as an int32 tensor. Got:", n])
+            whole_run = tf.function(whole_run_py, jit_compile=bool(jit_compile), autograph=False)
             with tf.control_dependencies([fits]):
-                buf, count, _, applied, stop, _ = inner(n, tf.constant(0, tf.int32),
-                                                        tf.constant(math.nan, tf.float64))
-            losses = buf[:count]
+                buf, size, applied, stop = whole_run(n)
+            losses = tf.slice(buf, [0], size)
         train_op = tf.group(applied, stop, losses, name="train_op")
     return Fused(train_op=train_op, losses=losses, steps_taken=applied, stop=stop, steps=n,
                  loss=loss0, var_list=var_list, state=state, opts=opts, optimizer=optimizer,
