@@ -28,7 +28,7 @@ _EXT_METADATA = 1  # XLA_FFI_Extension_Metadata
 _STAGE_EXECUTE = 3  # XLA_FFI_ExecutionStage_EXECUTE
 _ARG_BUFFER = 1  # XLA_FFI_ArgType_BUFFER
 _S32 = 4  # XLA_FFI_DataType_S32 (the PrimitiveType number)
-_API_MAJOR, _API_MINOR = 0, 1  # the oldest C API whose layout the structs below follow
+_API_MAJOR, _API_MINOR = 0, 1  # the oldest C API whose layout this module follows
 
 
 class _ExtBase(C.Structure):
@@ -48,35 +48,20 @@ class _MetadataExt(C.Structure):
     _fields_ = [("extension_base", _ExtBase), ("metadata", C.POINTER(_Metadata))]
 
 
-class _Args(C.Structure):
-    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p), ("size", C.c_int64),
-                ("types", C.POINTER(C.c_int)), ("args", C.POINTER(C.c_void_p))]
-
-
-class _Buffer(C.Structure):
-    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p), ("dtype", C.c_int),
-                ("data", C.c_void_p), ("rank", C.c_int64), ("dims", C.POINTER(C.c_int64))]
-
-
-class _CallFrame(C.Structure):  # only the leading fields are read
-    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.POINTER(_ExtBase)),
-                ("api", C.c_void_p), ("ctx", C.c_void_p), ("stage", C.c_int), ("args", _Args)]
-
-
 _receivers: "dict[int, weakref.ref]" = {}
 _thread = threading.local()
 _lock = threading.Lock()
 _state = {"ok": None, "handler": None, "next_id": 1}
 
 
-# The leading fields of XLA_FFI_CallFrame (up to its XLA_FFI_Args) and of XLA_FFI_Buffer,
-# read with `struct` from raw memory (lighter than ctypes structure objects) in native
-# byte order for a 64-bit platform; anywhere the ctypes layout differs, `available()` is False.
+# The leading fields of XLA_FFI_CallFrame (up to the end of its XLA_FFI_Args) and of
+# XLA_FFI_Buffer, read with `struct` from raw memory (lighter than ctypes structure
+# objects), in native byte order with a 64-bit platform's sizes and padding; elsewhere
+# `available()` is False.
 _FRAME = struct.Struct("=QQQQi4xQQqQQ")  # struct_size, ext, api, ctx, stage, args: size, ext, n, types, args
 _BUFFER = struct.Struct("=QQi4xQqQ")     # struct_size, ext, dtype, data, rank, dims
 _INT, _PTR = struct.Struct("=i"), struct.Struct("=Q")
-_LAYOUT_OK = _FRAME.size == C.sizeof(_CallFrame) and _BUFFER.size == C.sizeof(_Buffer) \
-    and C.sizeof(C.c_void_p) == 8
+_LAYOUT_OK = C.sizeof(C.c_void_p) == C.sizeof(C.c_size_t) == 8
 
 
 def _handler(frame: int) -> None:

@@ -76,6 +76,7 @@ class Notifier:
         self.callback = opts.callback
         self.start, self.n = start_step, n
         self._bar = None
+        self._watcher = None  # (stop event, thread, read) while `watch` runs
         if opts.progress:
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress,
                                        TextColumn, TimeRemainingColumn)
@@ -88,7 +89,6 @@ class Notifier:
             self._task = self._bar.add_task("fit", total=n, loss=math.nan)
 
     def __enter__(self) -> "Notifier":
-        self._watcher = None
         if self._bar is not None:
             self._bar.start()
         return self

@@ -245,39 +245,40 @@ class Fit:
         return self._notifier
 
     def _dispatch(self, packed):
-        """The host side of the in-loop callback.
-
-        Called eagerly (the usual case) an exception is kept, later callbacks of the call
-        are skipped, and ``__call__`` re-raises it once the device loop has finished (the
-        loop does not wait for the host, so it runs to its end first; the caller's state
-        is untouched since ``fit`` is pure). Inside a user's ``jax.jit``/``jax.vmap`` only
-        ``callback`` fires (no progress bar) and its exception surfaces through JAX.
-        """
-        if self._callback_error is not None:
-            return
-        packed = np.asarray(packed, np.int32).reshape(-1, 3)  # (models, [step, loss bits, hit])
+        """The host side of the in-loop callback through ``jax.debug.callback``: an int32
+        array of (step, float32 bits of the loss, hit), one row per model under vmap."""
+        packed = np.asarray(packed, np.int32).reshape(-1, 3)
         for s, l, h in zip(packed[:, 0], packed[:, 1].view(np.float32), packed[:, 2]):
-            if not h:
-                continue
-            if self._notifier is None:
-                if self.opts.callback is not None:
-                    self.opts.callback(int(s), float(l))
-                continue
-            try:
-                self._notifier(s, l)
-            except BaseException as e:  # re-raised on the host once the call returns
-                self._callback_error = e
+            if self._callback_error is not None:
                 return
+            if h:
+                self._deliver(s, l)
 
     def _from_host(self, values):
         """The host side of the FFI path (one model, outside user transforms): the ints
-        (step, float32 bits of the loss, hit); errors as in `_dispatch`."""
+        (step, float32 bits of the loss, hit)."""
         step, bits, hit = values
-        if hit and self._callback_error is None and self._notifier is not None:
-            try:
-                self._notifier(step, struct.unpack("<f", struct.pack("<i", bits))[0])
-            except BaseException as e:  # re-raised on the host once the call returns
-                self._callback_error = e
+        if hit and self._callback_error is None:
+            self._deliver(step, struct.unpack("<f", struct.pack("<i", bits))[0])
+
+    def _deliver(self, step, loss) -> None:
+        """One notification.
+
+        Called eagerly (the usual case) it goes to the `Notifier` (bar and callback); an
+        exception is kept, later notifications of the call are skipped, and ``__call__``
+        re-raises it once the device loop has finished (the loop does not wait for the
+        host, so it runs to its end first; the caller's state is untouched since ``fit``
+        is pure). Inside a user's ``jax.jit``/``jax.vmap`` only ``callback`` fires (no
+        progress bar) and its exception surfaces through JAX.
+        """
+        if self._notifier is None:
+            if self.opts.callback is not None:
+                self.opts.callback(int(step), float(loss))
+            return
+        try:
+            self._notifier(step, loss)
+        except BaseException as e:  # re-raised on the host once the call returns
+            self._callback_error = e
 
     def _propose(self, params, opt_state, batch, loss: Optional[_Loss] = None):
         loss = loss or _Loss(self.loss_fn, self.has_aux, params, batch)
