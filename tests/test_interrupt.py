@@ -19,9 +19,21 @@ import pytest
 
 from stepfuse.demo import available_backends
 
+# Each child: (set-up ending with one warm call of `call()`, the check after the loop).
+# Between them every child runs LOOP: calls until Ctrl-C, telling the parent where it is.
+LOOP = """
+import signal
+print("ready", flush=True)
+try:
+    while True:
+        call()
+except KeyboardInterrupt:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent may send more
+    print("interrupted", flush=True)
+"""
+
 CHILDREN = {
-    "jax": """
-        import signal
+    "jax": ("""
         import jax, numpy as np, optax
         import stepfuse.jax as sf
         from stepfuse.problems import blobs, perceptron_init
@@ -32,14 +44,11 @@ CHILDREN = {
             fit = sf.fuse(loss, optax.adam(0.01), steps=300)
             return fit, fit.init(perceptron_init())
         fit, state = make()
-        state, _ = fit(state, x, y)
-        print("ready", flush=True)
-        try:
-            while True:
-                state, _ = fit(state, x, y)
-        except KeyboardInterrupt:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent may send more
-            print("interrupted", flush=True)
+        def call():
+            global state
+            state, _ = fit(state, x, y)
+        call()
+    """, """
         n = int(state.step)
         ref, rstate = make()
         while int(rstate.step) < n:
@@ -47,9 +56,8 @@ CHILDREN = {
         same = all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(state),
                                                          jax.tree_util.tree_leaves(rstate)))
         print("CONSISTENT" if same else "INCONSISTENT", n, flush=True)
-    """,
-    "tf": """
-        import signal
+    """),
+    "tf": ("""
         import keras, numpy as np, tensorflow as tf
         import stepfuse.tf as sf
         from stepfuse.problems import blobs, perceptron_init
@@ -63,14 +71,10 @@ CHILDREN = {
             opt = keras.optimizers.Adam(0.01)
             return sf.fuse(loss, opt, [k, b], steps=300), opt, [k, b]
         fit, opt, vs = make()
-        fit(x, y)
-        print("ready", flush=True)
-        try:
-            while True:
-                fit(x, y)
-        except KeyboardInterrupt:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent may send more
-            print("interrupted", flush=True)
+        def call():
+            fit(x, y)
+        call()
+    """, """
         n = fit.step
         ref, ropt, rvs = make()
         while ref.step < n:
@@ -78,9 +82,8 @@ CHILDREN = {
         same = int(opt.iterations.numpy()) == n and all(
             np.allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7) for a, b in zip(vs, rvs))
         print("CONSISTENT" if same else "INCONSISTENT", n, flush=True)
-    """,
-    "torch": """
-        import signal
+    """),
+    "torch": ("""
         import numpy as np, torch
         import stepfuse.torch as sf
         from stepfuse.problems import blobs, perceptron_init
@@ -97,14 +100,10 @@ CHILDREN = {
                           steps=3, model=model, mode=mode)
             return fit, opt, model
         fit, opt, model = make("fused")
-        fit(x, y)
-        print("ready", flush=True)
-        try:
-            while True:
-                fit(x, y)
-        except KeyboardInterrupt:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent may send more
-            print("interrupted", flush=True)
+        def call():
+            fit(x, y)
+        call()
+    """, """
         n = fit.step
         ref, ropt, rmodel = make("fused")
         ref(x, y, steps=n)  # one long fused call of the same program
@@ -112,14 +111,16 @@ CHILDREN = {
         same = steps_ok and all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
                                 for a, b in zip(model.parameters(), rmodel.parameters()))
         print("CONSISTENT" if same else "INCONSISTENT", n, flush=True)
-    """,
+    """),
 }
 
 
 @pytest.mark.parametrize("backend", [b for b in CHILDREN if b in available_backends()])
 def test_sigint_leaves_parameters_state_and_step_consistent(backend):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TORCHINDUCTOR_COMPILE_THREADS="1")
-    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CHILDREN[backend])],
+    setup, check = CHILDREN[backend]
+    script = textwrap.dedent(setup) + LOOP + textwrap.dedent(check)
+    child = subprocess.Popen([sys.executable, "-c", script],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     assert child.stdout.readline().strip() == "ready", child.stderr.read()
     time.sleep(0.7)
