@@ -311,7 +311,9 @@ class Fit:
                 if opts.tol is not None:
                     converged = finite & (i > 0) & (jnp.abs(value - prev) <= opts.tol)
                     stop = jnp.where(converged, Stop.TOL, stop)
-                return i + 1, params, opt_state, buf, value, jnp.int32(stop), aux
+                # the last loss is carried only for `tol` and the callback (one kernel less)
+                last = value if opts.tol is not None or opts.notify else prev
+                return i + 1, params, opt_state, buf, last, jnp.int32(stop), aux
 
             return body
 
