@@ -211,6 +211,44 @@ def test_progress_alone_is_published_from_the_loop_for_a_thread_to_read(data, ca
     assert both._published is None and seen == [7, 14, 21, 28]
 
 
+@pytest.mark.parametrize("with_callback", [False, True], ids=["bar", "callback"])
+def test_a_bar_alone_ends_chunks_at_multiples_of_every_paced_by_time(with_callback):
+    # The outer loop around a stand-in for the XLA loop (which costs ~the same per launch
+    # whatever its length): a bar alone needs a publication now and then, so after the
+    # first chunk (ending at `every`) the chunks grow to last ~_PUBLISH_SECONDS each;
+    # a callback is owed every multiple of `every`. Every chunk but the last ends at one.
+    from stepfuse._options import check_options
+    from stepfuse.tf import _outer_loop
+
+    n, every = 100_000, 10
+    opts = check_options(n, None, 1, (lambda s, l: None) if with_callback else None, every,
+                         not with_callback, "stop", "fused")
+    chunks = []
+
+    def inner(m, i0, prev):
+        seen = tf.numpy_function(lambda i, m: chunks.append((int(i), int(m))) or np.int32(0),
+                                 [i0, m], tf.int32)
+        with tf.control_dependencies([seen]):
+            m = tf.identity(m)
+        return tf.zeros([every]), tf.minimum(m, every), m, m, tf.constant(0), prev
+
+    published = tf.Variable([math.nan, math.nan], dtype=tf.float64)
+    run = tf.function(lambda: _outer_loop(
+        inner, tf.constant(n), tf.constant(0, tf.int64), opts, n,
+        notify=(lambda s, l: np.int32(1)) if with_callback else None,
+        publish=None if with_callback else published))
+    _, applied, stop = run()
+    assert int(applied) == n and int(stop) == 0
+    ends = [i + m for i, m in chunks]
+    assert ends[-1] == n and all(e % every == 0 for e in ends)
+    assert ends[0] == every  # the first publication comes early
+    if with_callback:
+        assert len(chunks) == n // every
+    else:
+        assert len(chunks) <= 5, chunks
+        assert published.numpy()[0] == n
+
+
 def test_uncompilable_op_falls_back_without_xla_with_a_warning(data):
     x, y = data
     model, variables, loss_fn = make_problem("perceptron")

@@ -22,8 +22,9 @@ OPTIONS_DOC = """\
     callback: ``callback(step, loss)`` called on the host from *inside* the fused loop
       after every ``every``-th update (``step`` counts updates since ``init``, ``loss``
       is the loss before that update). An exception it raises reaches the caller.
-    every: how often ``callback`` (or the progress bar) fires; default about 100
-      times per call of ``steps``.
+    every: how often ``callback`` fires, and the steps at which the progress bar may
+      move (it redraws about ten times a second); default about 100 times per call of
+      ``steps``.
     progress: show a progress bar for each call, updated from inside the loop.
     on_nonfinite: ``"stop"`` (default) ends the call with ``Stop.NONFINITE``;
       ``"raise"`` also raises `stepfuse.NonFiniteError` with the step number. Either
