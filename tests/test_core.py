@@ -150,3 +150,20 @@ def test_notifier_watch_updates_the_bar_from_a_thread_and_shows_the_last_value()
     assert seen_during.is_set()
     assert bar.tasks[0].completed == 100 and bar.tasks[0].fields["loss"] == 0.125
     assert not any(t.name == "stepfuse-progress" for t in threading.enumerate())
+
+
+def test_notifier_calls_back_at_once_draws_the_latest_pair_and_never_moves_back():
+    import threading
+
+    from stepfuse._loop import Notifier
+
+    seen = []
+    opts = check_options(steps=100, progress=True, every=10, callback=lambda s, l: seen.append((s, l)))
+    with Notifier(opts, 5, 100) as notifier:
+        bar = notifier._bar
+        for step in (15, 25, 35):
+            notifier(step, step / 100)
+        assert seen == [(15, 0.15), (25, 0.25), (35, 0.35)]  # the callback, synchronously
+        notifier.done(100)  # the call applied 100 updates; the last notification was at 35
+    assert bar.tasks[0].completed == 100 and bar.tasks[0].fields["loss"] == 0.35
+    assert not any(t.name == "stepfuse-progress" for t in threading.enumerate())

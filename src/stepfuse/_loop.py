@@ -68,15 +68,23 @@ def finish(trace: Trace, opts: Options, start_step: int) -> Trace:
 class Notifier:
     """The host side of in-loop notifications: the user's callback and/or a progress bar.
 
-    ``notifier(step, loss)`` is what a backend calls from inside its loop. Use as a
-    context manager around one call so the progress bar is closed whatever happens.
+    ``notifier(step, loss)`` is what a backend calls from inside its loop: the callback
+    runs there and then, while the bar only keeps the pair; a thread of the notifier's
+    own draws the latest pair about ten times a second. The loop's host calls thus
+    never wait on drawing (measured on the seed with JAX: ~15 us per bar update and
+    ~1 ms per redraw, both holding the interpreter lock the loop's next host call needs).
+    Use as a context manager around one call so the bar is closed whatever happens.
     """
 
     def __init__(self, opts: Options, start_step: int, n: int, label: str = "stepfuse"):
         self.callback = opts.callback
         self.start, self.n = start_step, n
         self._bar = None
-        self._watcher = None  # (stop event, thread, read) while `watch` runs
+        self._latest: Tuple[Any, Any] = (math.nan, math.nan)
+        self._read: Callable[[], Any] = lambda: self._latest
+        self._interval = 0.1
+        self._watched = False
+        self._drawer = None  # (stop event, thread) while the bar is shown
         if opts.progress:
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress,
                                        TextColumn, TimeRemainingColumn)
@@ -84,61 +92,65 @@ class Notifier:
             self._bar = Progress(
                 TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("loss {task.fields[loss]:.4g}"), TimeRemainingColumn(),
-                transient=False,
+                transient=False, auto_refresh=False,
             )
             self._task = self._bar.add_task("fit", total=n, loss=math.nan)
 
     def __enter__(self) -> "Notifier":
         if self._bar is not None:
             self._bar.start()
+            stop = threading.Event()
+
+            def draw():
+                while not stop.wait(self._interval):
+                    self._show(self._read())
+                    self._bar.refresh()
+
+            thread = threading.Thread(target=draw, name="stepfuse-progress", daemon=True)
+            self._drawer = (stop, thread)
+            thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._watcher is not None:
-            stop, thread, read = self._watcher
+        if self._drawer is not None:
+            stop, thread = self._drawer
             stop.set()
             thread.join()
-            self._show(read())
+            self._drawer = None
+            self._show(self._read())
         if self._bar is not None:
             self._bar.stop()
 
     def watch(self, read: Callable[[], Any], interval: float = 0.1) -> None:
-        """Update the progress bar from ``read() -> (step, loss)`` every ``interval`` seconds
-        until the ``with`` block ends, in a thread of its own.
+        """Draw the bar from ``read() -> (step, loss)``, every ``interval`` seconds, until
+        the ``with`` block ends.
 
         For a bar alone (no ``callback``) a backend may publish its progress where a
-        thread can read it, rather than call the host synchronously from its loop:
-        the loop then never waits for Python.
+        thread can read it, rather than call the host from its loop at all. A second
+        ``watch`` is ignored.
         """
-        if self._bar is None or self._watcher is not None:
-            return
-        stop = threading.Event()
-
-        def run():
-            while not stop.wait(interval):
-                self._show(read())
-
-        thread = threading.Thread(target=run, name="stepfuse-progress", daemon=True)
-        self._watcher = (stop, thread, read)
-        thread.start()
+        if not self._watched:
+            self._read, self._interval, self._watched = read, interval, True
 
     def _show(self, value) -> None:
         step, loss = value
-        if step == step and step > self.start:  # NaN before the first published step
+        task = self._bar.tasks[0]
+        # NaN before the first notification; never backwards (`done` may be ahead)
+        if step == step and step - self.start > task.completed:
             self._bar.update(self._task, completed=int(step) - self.start, loss=float(loss))
 
     def done(self, applied: int) -> None:
         """Show the updates the call applied when it returned normally (the bar otherwise
         rests on the last multiple of ``every``)."""
         if self._bar is not None:
+            self._show(self._read())  # the last loss
             self._bar.update(self._task, completed=int(applied))
 
     def __call__(self, step, loss) -> None:
-        step, loss = int(step), float(loss)
         if self._bar is not None:
-            self._bar.update(self._task, completed=step - self.start, loss=loss)
+            self._latest = (step, loss)
         if self.callback is not None:
-            self.callback(step, loss)
+            self.callback(int(step), float(loss))
 
 
 @contextlib.contextmanager
