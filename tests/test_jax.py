@@ -345,6 +345,20 @@ def test_progress_bar_runs_from_inside_the_loop(capsys):
     assert "200/200" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("record_every", [1, 3])
+@pytest.mark.parametrize("notify", [{"progress": True}, {"callback": lambda s, l: None},
+                                    {"progress": True, "callback": lambda s, l: None}],
+                         ids=["bar", "callback", "both"])
+def test_notifications_leave_the_results_unchanged(notify, record_every, capsys):
+    plain = sf.fuse(perceptron_loss, optax.adam(0.05), steps=300, record_every=record_every)
+    noted = sf.fuse(perceptron_loss, optax.adam(0.05), steps=300, record_every=record_every,
+                    every=7, **notify)
+    (s1, t1), (s2, t2) = (f(f.init(perceptron_init()), X, Y) for f in (plain, noted))
+    np.testing.assert_array_equal(t1.loss, t2.loss)
+    assert (t1.steps, t1.stop) == (t2.steps, t2.stop) and len(t2.loss) == -(-300 // record_every)
+    assert_trees_close(s1, s2, rtol=0, atol=0)
+
+
 # -- bad input: each case names the argument, the value and a fix, before anything runs --
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, "3"])

@@ -249,6 +249,28 @@ def test_a_bar_alone_ends_chunks_at_multiples_of_every_paced_by_time(with_callba
         assert published.numpy()[0] == n
 
 
+@pytest.mark.parametrize("record_every", [1, 3])
+@pytest.mark.parametrize("notify", [{"progress": True}, {"callback": lambda s, l: None},
+                                    {"progress": True, "callback": lambda s, l: None}],
+                         ids=["bar", "callback", "both"])
+def test_notifications_leave_the_results_unchanged(notify, record_every, data, capsys):
+    # A bar alone runs chunks sized by time, a callback chunks ending at each multiple of
+    # `every`: the trace and the variables must not see the difference.
+    x, y = data
+    results = []
+    for options in ({}, dict(every=7, **notify)):
+        _, variables, loss_fn = make_problem("perceptron")
+        fit = sf.fuse(loss_fn, keras.optimizers.Adam(0.05), variables, steps=300,
+                      record_every=record_every, **options)
+        results.append((fit(x, y), fit(x, y, steps=50), values(variables)))
+    (a1, a2, va), (b1, b2, vb) = results
+    for ta, tb, n in ((a1, b1, 300), (a2, b2, 50)):
+        np.testing.assert_array_equal(ta.loss, tb.loss)
+        assert (ta.steps, ta.stop) == (tb.steps, tb.stop) and len(tb.loss) == -(-n // record_every)
+    for a, b in zip(va, vb):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_uncompilable_op_falls_back_without_xla_with_a_warning(data):
     x, y = data
     model, variables, loss_fn = make_problem("perceptron")

@@ -226,11 +226,6 @@ class Fit:
         # Everything a refused update must leave untouched: parameters and optimizer state.
         self._state = self._tf_vars + [_tf_var(v) for v in optimizer.variables]
         self._chunk = max(opts.steps, _MIN_CHUNK)  # steps one (XLA) inner loop runs at most
-        # Losses one inner loop records at most. With notifications a chunk ends at the next
-        # one, so `every` bounds it: the buffer is zeroed and copied at every XLA launch
-        # (measured: a 100,000-entry one cost ~170 us more per notification).
-        window = min(self._chunk, opts.every) if opts.notify else self._chunk
-        self._cap = -(-window // opts.record_every)
         # A progress bar alone needs no synchronous host call: the loop publishes
         # (step, loss) in this variable and a thread reads it (see `Notifier.watch`).
         # Measured on the seed problem (every=100, 1,000 notifications per call): ~20 us per
@@ -238,6 +233,12 @@ class Fit:
         # (it may raise, and the loop must stop there).
         self._published = (tf.Variable([math.nan, math.nan], dtype=tf.float64, trainable=False)
                            if opts.progress and opts.callback is None else None)
+        # Losses one inner loop records at most. With a callback a chunk ends at the next
+        # multiple of `every`, which bounds it: the buffer is zeroed and copied at every XLA
+        # launch (measured: a 100,000-entry one cost ~170 us more per notification). A bar
+        # alone sizes its chunks by time (see `_outer_loop`), so only `chunk` bounds them.
+        window = min(self._chunk, opts.every) if opts.callback is not None else self._chunk
+        self._cap = -(-window // opts.record_every)
         self._notifier: Optional[Notifier] = None
         self._notified_step: Optional[int] = None
         self._callback_error: Optional[BaseException] = None
