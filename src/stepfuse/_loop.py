@@ -98,7 +98,7 @@ class Notifier:
 
     def __enter__(self) -> "Notifier":
         if self._bar is not None:
-            self._bar.start()
+            self._bar.live.start(refresh=False)  # first drawn by the thread (~1 ms a drawing)
             stop = threading.Event()
 
             def draw():
