@@ -106,12 +106,13 @@ def _all_finite(tensors) -> tf.Tensor:
 
 
 _MIN_CHUNK = 256
-# A progress bar alone (no callback) is read by a host thread ten times a second (see
-# `Notifier.watch`), so the loop publishes at a multiple of `every` once at least this
-# long has passed, judged by the last chunk's speed: each publication ends an XLA launch,
-# and a launch costs ~100-150 us here (measured at every=1000 on the seed: +8-11% for
-# 100 launches a call).
-_PUBLISH_SECONDS = 0.05
+# A progress bar alone (no callback) is drawn by a host thread (see `Notifier.watch`), so
+# the loop publishes at a multiple of `every` once at least this long has passed, judged
+# by the last chunk's speed. Each publication ends an XLA launch, and on this 2-core VM a
+# launch costs ~0.4-1 ms of wall time, mostly waiting for threads to wake (the seed, a
+# 100,000-step call in chunks of 1,000: +39% against one chunk); 0.25 s keeps that
+# under ~0.5% of a long call.
+_PUBLISH_SECONDS = 0.25
 
 
 def _inner_loop(step, m, i0, prev, opts: Options, cap: int):
