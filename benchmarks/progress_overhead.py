@@ -6,7 +6,11 @@ in the process's CPU time (all threads; a busy neighbour disturbs it less). A no
 ``callback`` with the same ``every`` is timed too: the cost of reaching the host from the
 loop, without the bar's drawing.
 
-Run:  python benchmarks/progress_overhead.py [--steps 100000] [--backends jax tf torch]
+Each variant is built ``--instances`` times (each its own compiled program) and the
+report takes, per variant, the median over instances of each one's best time.
+
+Run:  python benchmarks/progress_overhead.py [--steps 100000] [--repeats 3] [--instances 3]
+      [--backends jax tf torch]
 """
 
 from __future__ import annotations
@@ -23,27 +27,34 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100_000)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--instances", type=int, default=3,
+                    help="fits built per variant (one compiled program each: on a VM, two "
+                         "identical ones can differ by ~5%%, so the report takes the median "
+                         "over instances of each one's best time)")
     ap.add_argument("--backends", nargs="+", default=[b for b in available_backends() if b in BACKENDS])
     args = ap.parse_args(argv)
     import contextlib
+    import statistics
 
+    variants = {"plain": {}, "callback": {"callback": lambda step, loss: None, "every": 1000},
+                "progress": {"progress": True, "every": 1000}}
     for backend in args.backends:
-        runs = {"plain": seed_fit(backend, args.steps),
-                "callback": seed_fit(backend, args.steps, callback=lambda step, loss: None, every=1000),
-                "progress": seed_fit(backend, args.steps, progress=True, every=1000)}
-        cpu = {name: float("inf") for name in runs}
-        wall = dict(cpu)
+        runs = [(name, seed_fit(backend, args.steps, **options))
+                for _ in range(args.instances) for name, options in variants.items()]
+        cpu = [float("inf")] * len(runs)
+        wall = list(cpu)
         with contextlib.redirect_stdout(io.StringIO()):  # keep the bars off the report
-            for run in runs.values():
+            for _, run in runs:
                 run()
             for _ in range(args.repeats):
-                for name, run in runs.items():
+                for k, (_, run) in enumerate(runs):
                     t0, w0 = time.process_time(), time.perf_counter()
                     run()
-                    cpu[name] = min(cpu[name], time.process_time() - t0)
-                    wall[name] = min(wall[name], time.perf_counter() - w0)
+                    cpu[k] = min(cpu[k], time.process_time() - t0)
+                    wall[k] = min(wall[k], time.perf_counter() - w0)
         for label, best in (("wall", wall), ("cpu", cpu)):
-            us = {k: 1e6 * v / args.steps for k, v in best.items()}
+            us = {name: 1e6 * statistics.median(b for (n, _), b in zip(runs, best) if n == name) / args.steps
+                  for name in variants}
             print(f"{backend} ({label} time): {args.steps} steps, plain {us['plain']:.3f} us/step, "
                   f"progress(every=1000) {us['progress']:.3f} us/step, "
                   f"slowdown {100 * (us['progress'] / us['plain'] - 1):+.1f}% "
