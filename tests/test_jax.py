@@ -283,6 +283,22 @@ def test_callback_fires_from_inside_the_loop_at_global_steps():
     assert seen[0][1] == pytest.approx(t1.loss[3], rel=1e-6)  # the loss before update 4
 
 
+@pytest.mark.parametrize("record_every", [1, 3])
+@pytest.mark.parametrize("differentiable", [False, True], ids=["while", "scan"])
+def test_callback_losses_are_the_stepwise_losses_recorded_or_not(record_every, differentiable):
+    # The loss handed to the callback is that of the step before the notified update,
+    # whether the trace keeps that step (record_every) or not.
+    seen = []
+    fit = sf.fuse(perceptron_loss, optax.adam(0.05), steps=40, every=5, record_every=record_every,
+                  callback=lambda s, l: seen.append((s, l)), differentiable=differentiable)
+    state, _ = fit(fit.init(perceptron_init()), X, Y)
+    fit(state, X, Y, steps=40)
+    ref = sf.fuse(perceptron_loss, optax.adam(0.05), steps=80, mode="stepwise")
+    _, full = ref(ref.init(perceptron_init()), X, Y)
+    assert [s for s, _ in seen] == list(range(5, 81, 5))
+    np.testing.assert_allclose([l for _, l in seen], full.loss[4::5], rtol=1e-6)
+
+
 def test_callbacks_through_stepfuse_ffi_target_match_jax_debug_callback(monkeypatch):
     """On CPU the loop calls the host through stepfuse's own FFI target; without it
     (another backend, or a jaxlib whose FFI layout it doesn't know) jax.debug.callback."""
@@ -357,6 +373,26 @@ def test_notifications_leave_the_results_unchanged(notify, record_every, capsys)
     np.testing.assert_array_equal(t1.loss, t2.loss)
     assert (t1.steps, t1.stop) == (t2.steps, t2.stop) and len(t2.loss) == -(-300 // record_every)
     assert_trees_close(s1, s2, rtol=0, atol=0)
+
+
+def test_a_bar_alone_reaches_the_host_at_multiples_of_every_paced_by_speed(monkeypatch, capsys):
+    # A callback is owed every multiple of `every`; a bar alone, drawn ~10 times a second,
+    # only needs a host call every ~_DRAW_SECONDS at the previous call's speed.
+    for callback in (None, lambda s, l: None):
+        fit = sf.fuse(perceptron_loss, optax.sgd(0.1), steps=5000, progress=True, every=3,
+                      callback=callback)
+        seen, deliver = [], fit._deliver
+        monkeypatch.setattr(fit, "_deliver", lambda s, l: (seen.append(int(s)), deliver(s, l)))
+        state, _ = fit(fit.init(perceptron_init()), X, Y)  # speed not known yet: every 3
+        assert seen == list(range(3, 5001, 3))
+        period = int(fit._period(True))
+        seen.clear()
+        fit(state, X, Y)
+        if callback is None:
+            assert period > 3 and period % 3 == 0
+        else:
+            assert period == 3
+        assert seen == [s for s in range(5001, 10001) if s % period == 0]
 
 
 # -- bad input: each case names the argument, the value and a fix, before anything runs --

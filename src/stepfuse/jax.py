@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
+import time
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -29,6 +30,11 @@ __all__ = ["fuse", "Fit", "FitState"]
 
 _RUNNING = -1
 _CHUNK = 32  # losses kept on the side before each copy into the trace (see `Fit._run`)
+# A progress bar alone is drawn about ten times a second, so the loop need not reach the
+# host at every multiple of `every`: it does so at a multiple of `every` about this far
+# apart, judged by the previous call's speed (a host call and the loop's split cost
+# ~20-40 us each here, a few % of a 100,000-step call on the seed at every=1000).
+_DRAW_SECONDS = 0.1
 
 jax.tree_util.register_pytree_node(
     Trace,
@@ -180,6 +186,7 @@ class Fit:
         self._notifier: Optional[Notifier] = None
         self._callback_error: Optional[BaseException] = None
         self._fused = jax.jit(self._run, static_argnames=("scan_steps", "host_id"))
+        self._seconds_per_step: Optional[float] = None  # the last notifying call's speed
         self._host_id = _jax_host.register(self._from_host) if opts.notify else None
         self._step = jax.jit(self._propose)
 
@@ -221,10 +228,13 @@ class Fit:
             # FFI target (measured on XLA:CPU: ~20 us per callback in this loop against ~100-200
             # us for jax.debug.callback); inside one, jax.debug.callback.
             host_id = self._host_id if notify else None
-            state, (buf, applied, stop), aux = self._fused(state, batch, np.int32(n), scan_steps=scan_steps,
-                                                           host_id=host_id)
+            t0 = time.perf_counter()
+            state, (buf, applied, stop), aux = self._fused(state, batch, np.int32(n), self._period(notify),
+                                                           scan_steps=scan_steps, host_id=host_id)
             if notify:  # the host calls happen during the program: wait for it to end
-                self._notifier.done(jax.block_until_ready(applied))
+                done = int(jax.block_until_ready(applied))
+                self._notifier.done(done)
+                self._seconds_per_step = (time.perf_counter() - t0) / max(done, 1)
         if self._callback_error is not None:
             raise self._callback_error
         k = self.opts.record_every
@@ -237,6 +247,14 @@ class Fit:
         return (state, trace, aux) if self.has_aux else (state, trace)
 
     # -- the fused program ----------------------------------------------------------
+    def _period(self, notify: bool) -> np.int32:
+        """Steps between the loop's host calls: `every`, or for a bar alone a multiple of
+        it about ``_DRAW_SECONDS`` long at the previous call's speed."""
+        every, speed = self.opts.every or 1, self._seconds_per_step
+        if not notify or self.opts.callback is not None or not speed:
+            return np.int32(every)
+        return np.int32(every * max(1, min(int(_DRAW_SECONDS / (speed * every)), 2**30 // every)))
+
     def _notify(self, start, n):
         if not self.opts.notify or start is None:
             self._notifier = None
@@ -289,11 +307,15 @@ class Fit:
         finite = _all_finite((value, grads, new_params, new_opt))
         return value, aux, new_params, new_opt, finite
 
-    def _run(self, state: FitState, batch, n, *, scan_steps=None, host_id=None):
+    def _run(self, state: FitState, batch, n, period, *, scan_steps=None, host_id=None):
         params, opt_state, step0 = state
         opts, k, C = self.opts, self.opts.record_every, _CHUNK
         loss = _Loss(self.loss_fn, self.has_aux, params, batch)
         size = -(-opts.capacity // C) * C  # whole chunks, plus one slot for unrecorded steps
+        # The last loss is carried from step to step only where it is read each step (`tol`;
+        # notifications in the masked scan): one kernel less a step on XLA:CPU (2-3% on
+        # the seed). The chunked loop's notifications read it back from the trace.
+        keep_loss = opts.tol is not None or (opts.notify and scan_steps is not None)
         aux0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), loss.aux_shape)
         carry = (jnp.int32(0), params, opt_state, jnp.full((size + 1,), jnp.nan, loss.dtype),
                  jnp.array(jnp.nan, loss.dtype), jnp.int32(_RUNNING), aux0)
@@ -311,8 +333,7 @@ class Fit:
                 if opts.tol is not None:
                     converged = finite & (i > 0) & (jnp.abs(value - prev) <= opts.tol)
                     stop = jnp.where(converged, Stop.TOL, stop)
-                # the last loss is carried only for `tol` and the callback (one kernel less)
-                last = value if opts.tol is not None or opts.notify else prev
+                last = value if keep_loss else prev
                 return i + 1, params, opt_state, buf, last, jnp.int32(stop), aux
 
             return body
@@ -325,14 +346,22 @@ class Fit:
         def running(c):
             return (c[0] < n) & (c[5] == _RUNNING)
 
+        def last_loss(c):
+            """The loss of the last evaluated step: carried, or read back from the trace
+            (recorded, or else the slot for unrecorded steps; see `chunk`)."""
+            if keep_loss:
+                return c[4]
+            j = c[0] - 1
+            return c[3][jnp.where(j % k == 0, j // k, size)]
+
         def notify(before, c):
             """Call the host with (step, loss) if the last update reached a multiple of `every`."""
-            hit = (applied(c) > applied(before)) & ((step0 + applied(c)) % opts.every == 0)
+            hit = (applied(c) > applied(before)) & ((step0 + applied(c)) % period == 0)
             # Fire and forget: a callback whose result fed back into the loop would make the
             # device wait on the host (measured: ~4 ms of CPU per callback on XLA:CPU).
             # One int32 array (step, float32 bits of the loss, hit): every argument of a host
             # callback costs ~50 us on XLA:CPU, so the three values travel as one.
-            loss32 = jax.lax.bitcast_convert_type(c[4].astype(jnp.float32), jnp.int32)
+            loss32 = jax.lax.bitcast_convert_type(last_loss(c).astype(jnp.float32), jnp.int32)
             packed = jnp.stack([step0 + applied(c), loss32, hit.astype(jnp.int32)])
             if host_id is not None:
                 _jax_host.send(host_id, packed)
@@ -353,6 +382,8 @@ class Fit:
             inner = jax.lax.while_loop(lambda c: (c[0] < limit) & (c[5] == _RUNNING),
                                        make_body(first, C), c[:3] + (small,) + c[4:])
             big = jax.lax.dynamic_update_slice(big, inner[3][:C], (first,))
+            if opts.notify and not keep_loss:  # the last unrecorded loss, for `last_loss`
+                big = big.at[size].set(inner[3][C])
             return inner[:3] + (big,) + inner[4:]
 
         def segment(c):
@@ -361,7 +392,7 @@ class Fit:
             The callback sits in its own outer loop: inside the chunk loop its side effect
             made XLA copy the whole trace buffer at every chunk.
             """
-            end = jnp.minimum(n, c[0] + opts.every - (step0 + applied(c)) % opts.every)
+            end = jnp.minimum(n, c[0] + period - (step0 + applied(c)) % period)
             new = jax.lax.while_loop(lambda c: (c[0] < end) & (c[5] == _RUNNING),
                                      lambda c: chunk(c, end), c)
             return notify(c, new)
