@@ -271,6 +271,22 @@ def test_notifications_leave_the_results_unchanged(notify, record_every, data, c
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_call_longer_than_one_compiled_chunk_chains_chunks_with_the_same_results(data, monkeypatch):
+    x, y = data
+    results = []
+    for min_chunk in (8, sf._TF2_MIN_CHUNK):  # 50 steps: 7 chained chunks, then one
+        monkeypatch.setattr(sf, "_TF2_MIN_CHUNK", min_chunk)
+        _, variables, loss_fn = make_problem("perceptron")
+        fit = sf.fuse(loss_fn, keras.optimizers.Adam(0.05), variables, steps=3, record_every=3)
+        assert fit._chunk == max(3, min_chunk)
+        results.append((fit(x, y, steps=50), values(variables)))
+    (ta, va), (tb, vb) = results
+    np.testing.assert_array_equal(ta.loss, tb.loss)
+    assert ta.steps == tb.steps == 50 and len(ta.loss) == 17
+    for a, b in zip(va, vb):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_uncompilable_op_falls_back_without_xla_with_a_warning(data):
     x, y = data
     model, variables, loss_fn = make_problem("perceptron")
