@@ -134,16 +134,15 @@ class Notifier:
 
     def _show(self, value) -> None:
         step, loss = value
-        task = self._bar.tasks[0]
-        # NaN before the first notification; never backwards (`done` may be ahead)
-        if step == step and step - self.start > task.completed:
-            self._bar.update(self._task, completed=int(step) - self.start, loss=float(loss))
+        if step == step:  # NaN before the first notification
+            # never backwards: `done` may be ahead of the last notification
+            completed = max(self._bar.tasks[0].completed, int(step) - self.start)
+            self._bar.update(self._task, completed=completed, loss=float(loss))
 
     def done(self, applied: int) -> None:
         """Show the updates the call applied when it returned normally (the bar otherwise
-        rests on the last multiple of ``every``)."""
+        rests on the last multiple of ``every``); the last loss is shown on exit."""
         if self._bar is not None:
-            self._show(self._read())  # the last loss
             self._bar.update(self._task, completed=int(applied))
 
     def __call__(self, step, loss) -> None:

@@ -181,8 +181,7 @@ def _outer_loop(inner, n, step0, opts: Options, chunk: int, notify=None, publish
             gstep = step0 + tf.cast(applied, tf.int64)
             ahead = tf.constant(1, tf.int64)
             if publish is not None:  # a bar alone: see _PUBLISH_SECONDS
-                t0, rate = clock[0], clock[1]
-                ahead = tf.maximum(ahead, tf.cast(rate * _PUBLISH_SECONDS, tf.int64))
+                ahead = tf.maximum(ahead, tf.cast(clock[1] * _PUBLISH_SECONDS, tf.int64))
             end = (gstep + ahead + opts.every - 1) // opts.every * opts.every
             m = tf.minimum(m, tf.cast(end - gstep, _INT))
         buf, count, j, a, stop, prev = inner(m, i, prev)
@@ -193,7 +192,7 @@ def _outer_loop(inner, n, step0, opts: Options, chunk: int, notify=None, publish
             publish.assign(tf.stack([tf.cast(gstep, tf.float64), prev]))
             with tf.control_dependencies([j]):
                 t1 = tf.timestamp()
-            clock = tf.stack([t1, tf.cast(j, tf.float64) / tf.maximum(t1 - t0, 1e-9)])
+            clock = tf.stack([t1, tf.cast(j, tf.float64) / tf.maximum(t1 - clock[0], 1e-9)])
         if notify is not None:
             due = tf.logical_and(a > 0, tf.equal(gstep % opts.every, 0))
             ticks = tf.cond(
