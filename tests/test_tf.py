@@ -156,6 +156,29 @@ def test_nonfinite_proposed_update_is_refused_and_raise_mode(mode):
     assert int(opt.iterations) == 0
 
 
+@pytest.mark.parametrize("jit", [None, True, False], ids=["eager", "xla", "graph"])
+def test_finiteness_check_is_exact_for_large_values_mixed_dtypes_and_sparse_gradients(jit):
+    from stepfuse.tf import _all_finite
+
+    big = tf.constant([3e38, 3e38, -3e38], tf.float32)  # finite, though their sum overflows
+    half = tf.constant([6e4, 1.0], tf.float16)
+    wide = tf.constant([[1e308, 1e308]], tf.float64)
+    sparse = tf.IndexedSlices(tf.constant([[1.0, 2.0]]), tf.constant([0]), tf.constant([3, 2]))
+    count = tf.constant([2**31 - 1], tf.int32)  # not floating: ignored
+    cases = [
+        ([big, half, wide, sparse, count, None], True),
+        ([big, tf.constant([1.0, np.inf])], False),
+        ([wide, tf.constant([np.nan], tf.float16)], False),
+        ([tf.IndexedSlices(tf.constant([[-np.inf]]), tf.constant([1]), tf.constant([2, 1]))], False),
+        ([tf.constant(np.nan, tf.float64)], False),
+        ([count], True),
+    ]
+    for tensors, expected in cases:
+        check = lambda: _all_finite(tensors)  # noqa: E731
+        got = check() if jit is None else tf.function(check, jit_compile=jit)()
+        assert bool(got) is expected, (tensors, jit)
+
+
 def test_callback_fires_inside_the_loop_at_global_steps(data):
     x, y = data
     _, variables, loss_fn = make_problem("perceptron")

