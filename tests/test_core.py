@@ -167,3 +167,36 @@ def test_notifier_calls_back_at_once_draws_the_latest_pair_and_never_moves_back(
         notifier.done(100)  # the call applied 100 updates; the last notification was at 35
     assert bar.tasks[0].completed == 100 and bar.tasks[0].fields["loss"] == 0.35
     assert not any(t.name == "stepfuse-progress" for t in threading.enumerate())
+
+
+def test_bench_harness_interleaves_rounds_until_each_contender_had_min_seconds():
+    import time
+
+    from stepfuse.bench._timing import measure
+
+    calls = {"a": [], "b": []}
+
+    def builder(name):
+        def build():
+            def run(n):
+                calls[name].append(n)
+                time.sleep(0.004)  # a sample (>= 20 ms) is at most 5 calls
+            return run
+        return build
+
+    def timed(**kw):
+        calls["a"].clear(), calls["b"].clear()
+        t0 = time.perf_counter()
+        rows = measure({"a": builder("a"), "b": builder("b")}, 4, backend="x", problem="p",
+                       reference="a", repeats=2, steps_for={"b": 2}, **kw)
+        took = time.perf_counter() - t0
+        return {r.contender: r for r in rows}, len(calls["a"]) - 1, len(calls["b"]) - 1, took
+
+    by, a, b, _ = timed(min_seconds=0.0)
+    assert calls["a"][0] == 4 and set(calls["b"]) == {2}  # warm-up, then the steps asked for
+    assert by["a"].ratio == 1.0 and by["b"].n == 4 and by["b"].steps == 2
+    assert a <= 2 * 5 and b <= 2 * 5  # `repeats` rounds
+    _, a, b, took = timed(min_seconds=0.3)
+    assert took >= 2 * 0.3 and a > 2 and b > 2  # rounds went on until each was timed 0.3 s
+    _, a, b, _ = timed(min_seconds=100.0, max_rounds=3)
+    assert a <= 3 * 5 and b <= 3 * 5  # three rounds at most, not 100 s

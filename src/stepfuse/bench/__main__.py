@@ -33,7 +33,8 @@ def main(argv=None):
                 continue
             builders, steps_for = module.contenders(size, n)
             rows = measure(builders, n, backend=args.backend, problem=size,
-                           repeats=2 if args.quick else 5, steps_for=steps_for)
+                           repeats=2 if args.quick else 5, steps_for=steps_for,
+                           min_seconds=0.0 if args.quick else 0.6)
             for r in rows:
                 r.note = getattr(module, "NOTES", {}).get(r.contender, "")
             results += rows
