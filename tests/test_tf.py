@@ -310,6 +310,30 @@ def test_a_call_longer_than_one_compiled_chunk_chains_chunks_with_the_same_resul
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("record_every", [1, 3])
+def test_xla_trace_is_gathered_in_small_chunks_with_the_losses_of_the_plain_loop(record_every, data, monkeypatch):
+    # Under XLA the losses gather _XLA_CHUNK at a time before each copy into the trace;
+    # without XLA they go straight into a TensorArray. 230 steps cross many of those small
+    # chunks, and chained compiled chunks of 37 steps start them at odd step indices.
+    x, y = data
+    results = {}
+    for jit, min_chunk in ((True, sf._TF2_MIN_CHUNK), (True, 37), (False, sf._TF2_MIN_CHUNK)):
+        monkeypatch.setattr(sf, "_TF2_MIN_CHUNK", min_chunk)
+        _, variables, loss_fn = make_problem("perceptron")
+        fit = sf.fuse(loss_fn, keras.optimizers.Adam(0.01), variables, steps=5,
+                      record_every=record_every, jit_compile=jit)
+        results[jit, min_chunk] = fit(x, y, steps=230), values(variables)
+    (one, v_one), (chained, v_chained), (plain, v_plain) = results.values()
+    assert one.steps == chained.steps == plain.steps == 230
+    assert len(one.loss) == len(plain.loss) == -(-230 // record_every) > 2 * sf._XLA_CHUNK
+    np.testing.assert_array_equal(one.loss, chained.loss)
+    np.testing.assert_allclose(one.loss, plain.loss, rtol=RTOL, atol=ATOL)
+    assert np.all(np.isfinite(one.loss))
+    for a, b, c in zip(v_one, v_chained, v_plain):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, c, rtol=RTOL, atol=ATOL)
+
+
 def test_uncompilable_op_falls_back_without_xla_with_a_warning(data):
     x, y = data
     model, variables, loss_fn = make_problem("perceptron")

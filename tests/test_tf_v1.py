@@ -109,6 +109,25 @@ def test_int_steps_run_at_most_one_chunk_and_tensor_steps_chain_chunks():
     np.testing.assert_allclose(losses, ref.loss, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("record_every", [1, 3])
+def test_xla_losses_gathered_in_small_chunks_equal_the_plain_graph_loops(record_every):
+    # 100 steps cross several of the XLA loop's small loss buffers; chunks of 13 chained
+    # by a tensor `steps` start them at odd step indices; without XLA a TensorArray.
+    runs = []
+    for steps, kw in ((100, {}), ("placeholder", {"chunk": 13}), (100, {"jit_compile": False})):
+        g, s, f, x, y = seed_graph(steps, record_every=record_every, **kw)
+        fed = {**feed(x, y), f.steps: 100}
+        losses, applied, _ = s.run([f.losses, f.steps_taken, f.train_op], fed)
+        runs.append((losses, applied, s.run(f.state)))
+    (one, a1, v1), (chained, a2, v2), (plain, a3, v3) = runs
+    assert a1 == a2 == a3 == 100 and len(one) == len(plain) == -(-100 // record_every)
+    np.testing.assert_array_equal(one, chained)
+    np.testing.assert_allclose(one, plain, rtol=1e-6, atol=1e-7)
+    for a, b, c in zip(v1, v2, v3):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, c, rtol=1e-6, atol=1e-7)
+
+
 def _keras_or_variable_graph(opt_fn, kind, steps, use_keras):
     g = tf.Graph()
     with g.as_default():

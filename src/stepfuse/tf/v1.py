@@ -297,12 +297,13 @@ def fuse(
     # read and write inside it. A tensor `steps` chains chunks of it in a plain graph loop;
     # an int `steps` makes a run one call of it.
     def inner_py(m, i0, prev):
-        return _inner_loop(step, m, i0, prev, opts, cap)
+        return _inner_loop(step, m, i0, prev, opts, cap, xla=jit_compile)
 
     def whole_run_py(m):
         """All of a run in one call: only what the graph reads comes out."""
         buf, count, _, applied, stop, _ = _inner_loop(
-            step, m, tf.constant(0, tf.int32), tf.constant(math.nan, tf.float64), opts, cap)
+            step, m, tf.constant(0, tf.int32), tf.constant(math.nan, tf.float64), opts, cap,
+            xla=jit_compile)
         return buf, tf.reshape(count, [1]), applied, stop
 
     with tf1.name_scope("stepfuse_loop"):
