@@ -334,6 +334,22 @@ def test_xla_trace_is_gathered_in_small_chunks_with_the_losses_of_the_plain_loop
         np.testing.assert_allclose(a, c, rtol=RTOL, atol=ATOL)
 
 
+def test_calls_within_the_chunk_run_one_program_and_longer_ones_a_second_traced_once(data, monkeypatch):
+    x, y = data
+    monkeypatch.setattr(sf, "_TF2_MIN_CHUNK", 8)
+    _, variables, loss_fn = make_problem("perceptron")
+    fit = sf.fuse(loss_fn, keras.optimizers.SGD(0.1), variables, steps=3)
+    _, ref_vars, ref_loss = make_problem("perceptron")
+    ref = reference_steps(ref_loss, keras.optimizers.SGD(0.1), ref_vars, x, y, 3 + 20 + 2 + 30)
+    losses = []
+    for n, traces in ((3, 1), (20, 2), (2, 2), (30, 2)):  # chunk = 8: 20 and 30 chain chunks
+        losses += list(fit(x, y, steps=n).loss)
+        assert fit.traces == traces, n
+    np.testing.assert_allclose(losses, ref, rtol=RTOL, atol=ATOL)
+    for a, b in zip(values(variables), values(ref_vars)):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
 def test_uncompilable_op_falls_back_without_xla_with_a_warning(data):
     x, y = data
     model, variables, loss_fn = make_problem("perceptron")
