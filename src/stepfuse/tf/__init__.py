@@ -349,12 +349,17 @@ class Fit:
                   "(not their numpy() values), or leave them out of `variables`.")
         return loss, grads
 
-    def _guarded_update(self, loss, grads):
-        """Apply the optimizer's update; undo it (state and counters) if anything is non-finite."""
+    def _apply_checked(self, loss, grads):
+        """Apply the optimizer's update: ``(snapshot, new, ok)``, the state before and after
+        it and whether loss, gradients and new state are all finite."""
         snapshot = [v.read_value() for v in self._state]
         self.optimizer.apply_gradients(zip(grads, self.variables))
         new = [v.read_value() for v in self._state]
-        ok = _all_finite([loss, *grads, *new])
+        return snapshot, new, _all_finite([loss, *grads, *new])
+
+    def _guarded_update(self, loss, grads):
+        """Apply the optimizer's update; undo it (state and counters) if anything is non-finite."""
+        snapshot, _, ok = self._apply_checked(loss, grads)
 
         def restore():
             for v, old in zip(self._state, snapshot):
@@ -461,10 +466,7 @@ class Fit:
 
     def _propose_py(self, *batch):
         loss, grads = self._loss_and_grads(batch)
-        snapshot = [v.read_value() for v in self._state]
-        self.optimizer.apply_gradients(zip(grads, self.variables))
-        new = [v.read_value() for v in self._state]
-        finite = _all_finite([loss, *grads, *new])
+        snapshot, new, finite = self._apply_checked(loss, grads)
         with tf.control_dependencies(new):
             for v, old in zip(self._state, snapshot):
                 v.assign(old)

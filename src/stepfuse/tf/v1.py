@@ -97,7 +97,9 @@ def _prepare(loss_fn, optimizer, var_list):
 
 
 def _step_ops(loss_fn, optimizer, var_list, state):
-    """One guarded step: (loss, ok, applied-or-restored marker); ops ordered explicitly."""
+    """One proposed step, ops ordered explicitly: ``(loss, snapshot, new, ok)``, the state
+    before and after the optimizer's update and whether loss, gradients and new state are
+    all finite (the caller keeps or restores the update)."""
     with _reuse_scope():
         loss = _check_loss(loss_fn(), loss_fn)
         gvs = optimizer.compute_gradients(loss, var_list)
@@ -113,7 +115,7 @@ def _step_ops(loss_fn, optimizer, var_list, state):
         apply = optimizer.apply_gradients(gvs)
     with tf.control_dependencies([apply]):
         new = [tf.identity(v.read_value()) for v in state]
-    return loss, grads, snapshot, new
+    return loss, snapshot, new, _all_finite([loss, *grads, *new])
 
 
 class Fused:
@@ -278,8 +280,7 @@ def fuse(
     cap = -(-chunk // opts.record_every)
 
     def step():
-        loss, grads, snapshot, new = _step_ops(loss_fn, optimizer, var_list, state)
-        ok = _all_finite([loss, *grads, *new])
+        loss, snapshot, new, ok = _step_ops(loss_fn, optimizer, var_list, state)
 
         def keep():
             return tf.constant(True)
@@ -329,8 +330,7 @@ def fuse(
 
 
 def _build_stepwise(loss_fn, optimizer, var_list, state, opts: Options, loss0):
-    loss, grads, snapshot, new = _step_ops(loss_fn, optimizer, var_list, state)
-    finite = _all_finite([loss, *grads, *new])
+    loss, snapshot, new, finite = _step_ops(loss_fn, optimizer, var_list, state)
     with tf.control_dependencies(new + [finite, loss]):
         restore = tf.group(*[v.assign(old) for v, old in zip(state, snapshot)])
     with tf.control_dependencies([restore]):
