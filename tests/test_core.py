@@ -149,11 +149,24 @@ def test_notifier_watch_updates_the_bar_from_a_thread_and_shows_the_last_value()
         published[:] = [105.0, 0.125]  # the end of the call: shown once the block exits
     assert seen_during.is_set()
     assert bar.tasks[0].completed == 100 and bar.tasks[0].fields["loss"] == 0.125
-    assert not any(t.name == "stepfuse-progress" for t in threading.enumerate())
+    # Nothing draws the bar once the block has ended, and the next call's bar is drawn
+    # by the same thread (one drawing thread, kept between calls).
+    drawers = [t for t in threading.enumerate() if t.name == "stepfuse-progress"]
+    published[:] = [150.0, 0.5]  # would show 145 if anything still drew it
+    time.sleep(0.1)
+    assert bar.tasks[0].completed == 100 and bar.tasks[0].fields["loss"] == 0.125
+    with Notifier(opts, 0, 100) as again:
+        again.watch(lambda: (30.0, 0.5), interval=0.01)
+        for _ in range(500):
+            if again._bar.tasks[0].completed == 30:
+                break
+            time.sleep(0.01)
+    assert again._bar.tasks[0].completed == 30
+    assert [t for t in threading.enumerate() if t.name == "stepfuse-progress"] == drawers
+    assert len(drawers) == 1
 
 
 def test_notifier_calls_back_at_once_draws_the_latest_pair_and_never_moves_back():
-    import threading
 
     from stepfuse._loop import Notifier
 
@@ -166,7 +179,11 @@ def test_notifier_calls_back_at_once_draws_the_latest_pair_and_never_moves_back(
         assert seen == [(15, 0.15), (25, 0.25), (35, 0.35)]  # the callback, synchronously
         notifier.done(100)  # the call applied 100 updates; the last notification was at 35
     assert bar.tasks[0].completed == 100 and bar.tasks[0].fields["loss"] == 0.35
-    assert not any(t.name == "stepfuse-progress" for t in threading.enumerate())
+    with Notifier(opts, 5, 100) as notifier:
+        bar = notifier._bar
+        notifier(15, 0.15)
+        notifier.done(100, 0.75)  # the backend knows the loss before the last update
+    assert bar.tasks[0].completed == 100 and bar.tasks[0].fields["loss"] == 0.75
 
 
 def test_bench_harness_interleaves_rounds_until_each_contender_had_min_seconds():

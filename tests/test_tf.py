@@ -241,7 +241,7 @@ def test_a_bar_alone_ends_chunks_at_multiples_of_every_paced_by_time(with_callba
     # first chunk (ending at `every`) the chunks grow to last ~_PUBLISH_SECONDS each;
     # a callback is owed every multiple of `every`. Every chunk but the last ends at one.
     from stepfuse._options import check_options
-    from stepfuse.tf import _outer_loop
+    from stepfuse.tf import _PUBLISH_SECONDS, _outer_loop
 
     n, every = 100_000, 10
     opts = check_options(n, None, 1, (lambda s, l: None) if with_callback else None, every,
@@ -260,7 +260,7 @@ def test_a_bar_alone_ends_chunks_at_multiples_of_every_paced_by_time(with_callba
         inner, tf.constant(n), tf.constant(0, tf.int64), opts, n,
         notify=(lambda s, l: np.int32(1)) if with_callback else None,
         publish=None if with_callback else published))
-    _, applied, stop = run()
+    _, applied, stop, _ = run()
     assert int(applied) == n and int(stop) == 0
     ends = [i + m for i, m in chunks]
     assert ends[-1] == n and all(e % every == 0 for e in ends)
@@ -270,6 +270,14 @@ def test_a_bar_alone_ends_chunks_at_multiples_of_every_paced_by_time(with_callba
     else:
         assert len(chunks) <= 5, chunks
         assert published.numpy()[0] == n
+        # Given the previous call's speed, the first chunk lasts ~_PUBLISH_SECONDS too:
+        # 40,000 steps/s -> 10,000 steps (a multiple of `every`), not 10.
+        chunks.clear()
+        speed = 40_000 / (_PUBLISH_SECONDS / 0.25)
+        tf.function(lambda: _outer_loop(inner, tf.constant(n), tf.constant(0, tf.int64), opts, n,
+                                        publish=published, speed=tf.constant(speed, tf.float64)))()
+        assert chunks[0] == (0, 10_000), chunks
+        assert sum(m for _, m in chunks) == n
 
 
 @pytest.mark.parametrize("record_every", [1, 3])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import textwrap
+import time
 import warnings
 from typing import Any, Callable, Optional
 
@@ -126,10 +127,10 @@ _MIN_CHUNK = 256  # stepfuse.tf.v1's default for an int `steps` (its runs are on
 _TF2_MIN_CHUNK = 16384
 # A progress bar alone (no callback) is drawn by a host thread (see `Notifier.watch`), so
 # the loop publishes at a multiple of `every` once at least this long has passed, judged
-# by the last chunk's speed. Each publication ends an XLA launch, and on this 2-core VM a
-# launch costs ~0.4-1 ms of wall time, mostly waiting for threads to wake (the seed, a
-# 100,000-step call in chunks of 1,000: +39% against one chunk); 0.25 s keeps that
-# under ~0.5% of a long call.
+# by the last chunk's speed (the first chunk's by the previous call's). Each publication
+# ends an XLA launch, and on this 2-core VM a launch costs ~0.4-1 ms of wall time, mostly
+# waiting for threads to wake (the seed, a 100,000-step call in chunks of 1,000: +39%
+# against one chunk); 0.25 s keeps that under ~0.5% of a long call.
 _PUBLISH_SECONDS = 0.25
 
 
@@ -211,7 +212,7 @@ def _inner_loop(step, m, i0, prev, opts: Options, cap: int, xla: bool = False):
     return buf, count, j, applied, stop, prev
 
 
-def _outer_loop(inner, n, step0, opts: Options, chunk: int, notify=None, publish=None):
+def _outer_loop(inner, n, step0, opts: Options, chunk: int, notify=None, publish=None, speed=None):
     """A whole call: ``inner`` chunks of at most ``chunk`` steps until ``n`` or a stop.
 
     Runs outside XLA, so the trace can grow with ``n`` (a TensorArray of the chunks'
@@ -220,8 +221,9 @@ def _outer_loop(inner, n, step0, opts: Options, chunk: int, notify=None, publish
     chunks. With ``publish`` (a float64 variable of 2) each chunk writes ``(step, loss)``
     there instead, for a host thread to read: the loop never waits for Python, and a
     chunk runs to the first multiple of `every` at least ``_PUBLISH_SECONDS`` away at the
-    last chunk's speed (the first one to the first multiple).
-    Returns ``(losses, applied, stop)``.
+    last chunk's speed; the first chunk at ``speed`` (steps per second, a float64 scalar:
+    the previous call's), or when that is 0 to the first multiple.
+    Returns ``(losses, applied, stop, last loss)``.
     """
 
     def cond(i, applied, stop, prev, ta, k, ticks, clock):
@@ -255,11 +257,11 @@ def _outer_loop(inner, n, step0, opts: Options, chunk: int, notify=None, publish
 
     ta = tf.TensorArray(tf.float32, size=0, dynamic_size=True, infer_shape=False, element_shape=[None])
     # (time the last chunk ended, its steps per second): sizes a bar's chunks
-    clock = tf.stack([tf.timestamp(), tf.constant(0, tf.float64)])
+    clock = tf.stack([tf.timestamp(), tf.constant(0, tf.float64) if speed is None else speed])
     init = (tf.constant(0, _INT), tf.constant(0, _INT), tf.constant(0, _INT),
             tf.constant(math.nan, tf.float64), ta, tf.constant(0, _INT), tf.constant(0, _INT), clock)
-    _, applied, stop, _, ta, _, _, _ = tf.while_loop(cond, body, init)
-    return ta.concat(), applied, stop
+    _, applied, stop, prev, ta, _, _, _ = tf.while_loop(cond, body, init)
+    return ta.concat(), applied, stop, prev
 
 
 class Fit:
@@ -293,6 +295,9 @@ class Fit:
         # (it may raise, and the loop must stop there).
         self._published = (tf.Variable([math.nan, math.nan], dtype=tf.float64, trainable=False)
                            if opts.progress and opts.callback is None else None)
+        # The last call's speed (steps per second) sizes a bar's first chunk: one XLA launch
+        # less per call (a launch costs ~0.4-1 ms here; see _PUBLISH_SECONDS).
+        self._steps_per_second = 0.0
         # Losses one inner loop records at most. With a callback a chunk ends at the next
         # multiple of `every`, which bounds it: the buffer is zeroed and copied at every XLA
         # launch (measured: a 100,000-entry one cost ~170 us more per notification). A bar
@@ -381,12 +386,12 @@ class Fit:
             n, tf.constant(0, _INT), tf.constant(math.nan, tf.float64), *batch)
         return buf, count, applied, stop
 
-    def _outer_py(self, n, step0, *batch):
+    def _outer_py(self, n, step0, speed, *batch):
         self.traces += 1
         return _outer_loop(lambda m, i0, prev: self._inner(m, i0, prev, *batch), n, step0,
                            self.opts, self._chunk,
                            self._notify_host if self.opts.notify and self._published is None else None,
-                           self._published)
+                           self._published, speed)
 
     def _notify_host(self, step, loss):
         step = int(step)
@@ -416,7 +421,7 @@ class Fit:
             if self._published is not None:
                 notifier.watch(self._published.numpy)
             try:
-                losses, applied, stop = self._run(n, start, batch)
+                losses, applied, stop, last = self._run(n, start, batch)
             except tf.errors.OpError:
                 err = self._callback_error
                 if err is not None:  # the user's callback raised: hand it back as is
@@ -426,22 +431,29 @@ class Fit:
                 raise
             finally:
                 self._notifier = None
-            notifier.done(applied)
+            notifier.done(applied, None if last is None else float(last))
             self.step = start + int(applied)
         return finish(host_trace(losses, int(applied), int(stop), self.opts.record_every),
                       self.opts, start)
 
     def _run(self, n, start, batch):
-        """The call's program: ``(losses as numpy, applied, stop)``."""
+        """The call's program: ``(losses as numpy, applied, stop, last loss)``; the last loss
+        only from the program that notifies (else None)."""
         whole = self._whole is not None and n <= self._chunk
         if whole:
             def run():
                 buf, count, applied, stop = self._whole(tf.constant(n, _INT), *batch)
-                return buf.numpy()[:int(count)], applied, stop
+                return buf.numpy()[:int(count)], applied, stop, None
         else:
             def run():
-                losses, applied, stop = self._outer(tf.constant(n, _INT), tf.constant(start, tf.int64), *batch)
-                return losses.numpy(), applied, stop
+                t0 = time.perf_counter()
+                losses, applied, stop, last = self._outer(
+                    tf.constant(n, _INT), tf.constant(start, tf.int64),
+                    tf.constant(self._steps_per_second, tf.float64), *batch)
+                losses = losses.numpy()
+                if self._published is not None and int(applied):
+                    self._steps_per_second = int(applied) / (time.perf_counter() - t0)
+                return losses, applied, stop, last
         if whole in self._compiled or not self.jit_compile:
             out = run()
         else:

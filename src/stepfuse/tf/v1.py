@@ -310,7 +310,7 @@ def fuse(
     with tf1.name_scope("stepfuse_loop"):
         if isinstance(steps_given, (tf.Tensor, tf.Variable)):
             inner = tf.function(inner_py, jit_compile=bool(jit_compile), autograph=False)
-            losses, applied, stop = _outer_loop(inner, n, tf.constant(0, tf.int64), opts, chunk)
+            losses, applied, stop, _ = _outer_loop(inner, n, tf.constant(0, tf.int64), opts, chunk)
         else:
             # At most `chunk` steps per run and no graph loop around the call (measured:
             # ~50 us less per sess.run, about what the one-step graph of the seed costs).
