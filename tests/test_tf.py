@@ -85,6 +85,24 @@ def test_no_retrace_across_steps_and_new_batch_values(data):
     assert fit.step == 4 + 1 + 7 + 50 + 4 + 2
 
 
+def test_each_batch_signature_traces_once_and_runs_its_own_program(data):
+    # Calls go to the concrete function traced for the batch's dtypes and shapes: a new
+    # shape traces once more and runs its own program; the old shape still runs its own.
+    x, y = data
+    _, va, la = make_problem("perceptron")
+    _, vb, lb = make_problem("perceptron")
+    fit = sf.fuse(la, keras.optimizers.SGD(0.1), va, steps=5)
+    ref = sf.fuse(lb, keras.optimizers.SGD(0.1), vb, steps=5, mode="stepwise")
+    for xs, ys, traces in ((x, y, 1), (x[:20], y[:20], 2), (x, y, 2), (x[:20], y[:20], 2)):
+        got, want = fit(xs, ys), ref(xs, ys)
+        np.testing.assert_allclose(got.loss, want.loss, rtol=RTOL, atol=ATOL)
+        assert fit.traces == traces
+    with tf.GradientTape():  # a tape the caller left open does not change the call
+        np.testing.assert_allclose(fit(x, y).loss, ref(x, y).loss, rtol=RTOL, atol=ATOL)
+    for a, b in zip(values(va), values(vb)):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
 def test_stepwise_mode_is_the_same_loop(data):
     x, y = data
     _, va, la = make_problem("mlp")
