@@ -182,6 +182,26 @@ def first_nonfinite_update(loss_fn, optimizer, params, batch, limit):
     raise AssertionError("did not diverge")
 
 
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_losses_of_other_widths_reach_the_host_whole(dtype):
+    # A float32/float64 trace comes back as one integer array (the losses' bits, then
+    # applied and stop); other widths as three arrays. Either way, the stepwise trace.
+    with jax.enable_x64(dtype == "float64"):
+        x, t = jnp.asarray(X[:, :2], dtype), jnp.asarray(Y, dtype)
+        w0 = jnp.ones((2,), dtype)
+        lr, steps, rtol = (3.0, 500, 1e-12) if dtype == "float64" else (0.05, 40, 1e-2)
+        fused = sf.fuse(diverging_loss, optax.sgd(lr), steps=steps)
+        ref = sf.fuse(diverging_loss, optax.sgd(lr), steps=steps, mode="stepwise")
+        (s1, t1), (s2, t2) = fused(fused.init(w0), x, t), ref(ref.init(w0), x, t)
+        assert t1.steps == t2.steps and t1.stop is t2.stop
+        assert t1.stop is (Stop.NONFINITE if dtype == "float64" else Stop.STEPS)
+        assert t1.loss.dtype == (np.float64 if dtype == "float64" else np.float32)
+        assert len(t1.loss) == len(t2.loss) and 0 < t1.steps
+        np.testing.assert_allclose(t1.loss, t2.loss, rtol=rtol)
+        np.testing.assert_allclose(np.asarray(s1.params, np.float64), np.asarray(s2.params, np.float64),
+                                   rtol=rtol)
+
+
 @pytest.mark.parametrize("opt", [optax.sgd(3.0), optax.sgd(1.0, momentum=0.9)], ids=["sgd", "momentum"])
 def test_nonfinite_stops_before_the_bad_update_at_the_oracles_step(opt):
     x = jnp.asarray(X[:, :2])
