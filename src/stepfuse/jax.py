@@ -31,7 +31,7 @@ __all__ = ["fuse", "Fit", "FitState"]
 _RUNNING = -1
 # A float32/float64 loss buffer travels to the host as the integers of its bits (`Fit._run`).
 _INT_OF = {np.dtype(np.float32): np.int32, np.dtype(np.float64): np.int64}
-_FLOAT_OF = {np.dtype(np.int32): np.float32, np.dtype(np.int64): np.float64}
+_FLOAT_OF = {np.dtype(i): f.type for f, i in _INT_OF.items()}
 _CHUNK = 32  # losses kept on the side before each copy into the trace (see `Fit._run`)
 # A progress bar alone is drawn about ten times a second, so the loop need not reach the
 # host at every multiple of `every`: it does so at a multiple of `every` about this far

@@ -20,14 +20,14 @@ import numpy as np
 import tensorflow as tf
 
 from .._loop import Notifier, deferred_interrupts, finish, run_stepwise
+from .._options import _fail as _options_fail
+from .._options import OPTIONS_DOC, Options, check_call_steps, check_options
+from .._trace import Stop, Trace, host_trace
 
 try:  # a gradient tape left open around a call must not record it (see `Fit._call`)
     from tensorflow.python.eager.record import stop_recording as _not_recorded
 except ImportError:  # pragma: no cover - other TF versions
     _not_recorded = contextlib.nullcontext
-from .._options import _fail as _options_fail
-from .._options import OPTIONS_DOC, Options, check_call_steps, check_options
-from .._trace import Stop, Trace, host_trace
 
 __all__ = ["fuse", "Fit", "v1"]
 
