@@ -57,6 +57,16 @@ def test_fetching_train_op_and_losses_runs_the_loop_once():
         np.testing.assert_array_equal(a, b)
 
 
+def test_packed_holds_the_losses_then_steps_taken_and_stop_bits():
+    g, s, f, x, y = seed_graph(3)
+    packed, losses, taken, stop = s.run([f.packed, f.losses, f.steps_taken, f.stop], feed(x, y))
+    np.testing.assert_array_equal(packed[:-2], losses)
+    assert packed[-2:].view(np.int32).tolist() == [taken, stop] == [3, int(Stop.STEPS)]
+    trace = f.run(s, feed(x, y), steps=2)  # `run` decodes it: the loop goes on from step 3
+    assert trace.steps == 2 and trace.stop == Stop.STEPS and trace.loss.shape == (2,)
+    assert trace.loss[0] < losses[-1]
+
+
 def test_graph_size_does_not_grow_with_steps():
     sizes = []
     for steps in (3, 300):

@@ -28,7 +28,7 @@ CONTENDERS = ("stepfuse", "sess.run per step", "N copies (seed answer)")
 MAX_COPIES = 100
 
 NOTES = {
-    "stepfuse": "stepfuse.tf.v1: one sess.run calling one XLA-compiled tf.while_loop",
+    "stepfuse": "stepfuse.tf.v1: fused.run(sess, feed), one sess.run calling one XLA-compiled tf.while_loop",
     "sess.run per step": "optimizer.minimize, one sess.run per step (fetching the loss)",
     "N copies (seed answer)": (f"graph of min(N, {MAX_COPIES}) chained copies, run ceil(m/copies) "
                                "times (larger N takes too long to build)"),
@@ -78,8 +78,8 @@ def contenders(size: str, n: int, lr: float = 0.01):
     def stepfuse():
         sess, fused, feed, _ = graph(layers, xn, yn, lambda f: sf1.fuse(f, opt(), steps=n))
 
-        def run(m):  # the built `steps` unless told otherwise, as a user would run it
-            return sess.run([fused.losses, fused.train_op], feed if m == n else {**feed, fused.steps: m})[0]
+        def run(m):  # as a user would: one sess.run through `run`, which returns the Trace
+            return fused.run(sess, feed, steps=m).loss
         return run
 
     def per_step():
