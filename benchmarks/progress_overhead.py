@@ -9,7 +9,7 @@ loop, without the bar's drawing.
 Each variant is built ``--instances`` times (each its own compiled program) and the
 report takes, per variant, the median over instances of each one's best time.
 
-Run:  python benchmarks/progress_overhead.py [--steps 100000] [--repeats 3] [--instances 3]
+Run:  python benchmarks/progress_overhead.py [--steps 100000] [--repeats 5] [--instances 9]
       [--backends jax tf torch] [--variants callback progress]
 """
 
@@ -26,11 +26,12 @@ from stepfuse.demo import available_backends
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100_000)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--instances", type=int, default=3,
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--instances", type=int, default=9,
                     help="fits built per variant (one compiled program each: on a VM, two "
-                         "identical ones can differ by ~5%%, so the report takes the median "
-                         "over instances of each one's best time)")
+                         "identical ones can differ by ~10%%, so the report takes the median "
+                         "over instances of each one's best time; with five or fewer, runs "
+                         "swing by several percent)")
     ap.add_argument("--backends", nargs="+", default=[b for b in available_backends() if b in BACKENDS])
     ap.add_argument("--variants", nargs="+", default=["plain", "callback", "progress"],
                     choices=["plain", "callback", "progress"],
