@@ -1,0 +1,80 @@
+"""Kernels per loop step on XLA:CPU: stepfuse's fused loop against the hand-written loops.
+
+On small problems a compiled step costs about its number of kernels (fusions, dots,
+copies) times XLA:CPU's per-kernel cost, so counting them says where a loop's time goes.
+Compiles, for the given size, `fori_loop` (gradient only), `fori_loop` with the loss
+evaluated each step, and stepfuse's fused call, and prints the kernels in each one's
+innermost loop body (stepfuse runs its steps in an inner loop of chunks; its outer loop's
+kernels run once per chunk and are printed apart).
+
+Run:  python benchmarks/jax_kernels.py [--size seed]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from stepfuse import jax as sf
+from stepfuse.bench.jax import mlp_loss
+from stepfuse.bench.problems import problem
+
+_KERNEL = re.compile(r"= \S+ (?:fusion|copy|dot|custom-call|convolution)\(")
+
+
+def loop_bodies(hlo: str):
+    """``(name, kernels)`` for each computation of ``hlo`` that is a while body."""
+    bodies = set(re.findall(r"while\([^)]*\), condition=%?[\w.\-]+, body=%?([\w.\-]+)", hlo))
+    out = []
+    for comp in re.split(r"\n(?=%\S+ \(|ENTRY)", hlo):
+        name = comp.split(" ", 1)[0].lstrip("%")
+        if name in bodies:
+            out.append((name, len(_KERNEL.findall(comp))))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="seed", choices=("seed", "mlp", "wide"))
+    args = ap.parse_args(argv)
+    layers, x, y = problem(args.size)
+    params = jax.tree_util.tree_map(jnp.asarray, layers)
+    batch = (jnp.asarray(x), jnp.asarray(y))
+    opt = optax.sgd(0.01)
+    s0 = opt.init(params)
+
+    def grad_step(i, c):
+        g = jax.grad(mlp_loss)(c[0], *batch)
+        u, s = opt.update(g, c[1], c[0])
+        return optax.apply_updates(c[0], u), s
+
+    def loss_step(i, c):
+        value, g = jax.value_and_grad(mlp_loss)(c[0], *batch)
+        u, s = opt.update(g, c[1], c[0])
+        return optax.apply_updates(c[0], u), s, value
+
+    loops = {
+        "fori_loop": jax.jit(lambda p, s, m: jax.lax.fori_loop(0, m, grad_step, (p, s)))
+        .lower(params, s0, 10).compile().as_text(),
+        "fori_loop (loss each step)": jax.jit(
+            lambda p, s, m: jax.lax.fori_loop(0, m, loss_step, (p, s, jnp.float32(0))))
+        .lower(params, s0, 10).compile().as_text(),
+    }
+    fit = sf.fuse(mlp_loss, opt, steps=10)
+    state = fit.init(params)
+    loops["stepfuse"] = fit._fused.lower(state, batch, np.int32(10), fit._period(False), scan_steps=None,
+                                         host_id=None, pack=True).compile().as_text()
+    print(f"kernels per loop-body run, {args.size} ({jax.default_backend()}):")
+    for name, hlo in loops.items():
+        counts = sorted((k for _, k in loop_bodies(hlo)), reverse=True)
+        outer = f"  (outer loop: {', '.join(map(str, counts[1:]))})" if len(counts) > 1 else ""
+        print(f"  {name:28s} {counts[0]}{outer}")
+
+
+if __name__ == "__main__":
+    main()
