@@ -21,7 +21,7 @@ import numpy as np
 import optax
 
 from stepfuse import jax as sf
-from stepfuse.bench.jax import mlp_loss
+from stepfuse.bench.jax import fori_loops, mlp_loss, optax_steps
 from stepfuse.bench.problems import problem
 
 _KERNEL = re.compile(r"= \S+ (?:fusion|copy|dot|custom-call|convolution)\(")
@@ -48,23 +48,9 @@ def main(argv=None):
     opt = optax.sgd(0.01)
     s0 = opt.init(params)
 
-    def grad_step(i, c):
-        g = jax.grad(mlp_loss)(c[0], *batch)
-        u, s = opt.update(g, c[1], c[0])
-        return optax.apply_updates(c[0], u), s
-
-    def loss_step(i, c):
-        value, g = jax.value_and_grad(mlp_loss)(c[0], *batch)
-        u, s = opt.update(g, c[1], c[0])
-        return optax.apply_updates(c[0], u), s, value
-
-    loops = {
-        "fori_loop": jax.jit(lambda p, s, m: jax.lax.fori_loop(0, m, grad_step, (p, s)))
-        .lower(params, s0, 10).compile().as_text(),
-        "fori_loop (loss each step)": jax.jit(
-            lambda p, s, m: jax.lax.fori_loop(0, m, loss_step, (p, s, jnp.float32(0))))
-        .lower(params, s0, 10).compile().as_text(),
-    }
+    # the loops bench_jax.py times
+    loops = {name: run.lower(params, s0, 10).compile().as_text()
+             for name, run in fori_loops(*optax_steps(opt, batch)).items()}
     fit = sf.fuse(mlp_loss, opt, steps=10)
     state = fit.init(params)
     loops["stepfuse"] = fit._fused.lower(state, batch, np.int32(10), fit._period(False), scan_steps=None,

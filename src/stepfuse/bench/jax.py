@@ -21,6 +21,34 @@ def mlp_loss(layers, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
+def optax_steps(optimizer, batch, loss_fn=mlp_loss):
+    """The hand-written contenders' steps: ``grad_step(p, s) -> (p, s)`` (the gradient
+    only) and ``loss_step(p, s) -> (p, s, loss)`` (value_and_grad: the loss as well)."""
+
+    def grad_step(p, s):
+        g = jax.grad(loss_fn)(p, *batch)
+        u, s = optimizer.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    def loss_step(p, s):
+        value, g = jax.value_and_grad(loss_fn)(p, *batch)
+        u, s = optimizer.update(g, s, p)
+        return optax.apply_updates(p, u), s, value
+
+    return grad_step, loss_step
+
+
+def fori_loops(grad_step, loss_step):
+    """The hand-written ``lax.fori_loop`` contenders, jitted as ``run(params, opt_state, m)``:
+    of `optax_steps`' gradient step, and of its loss step keeping the last loss (nothing
+    recorded), the floor for any loop that reports per-step losses."""
+    return {
+        "fori_loop": jax.jit(lambda p, s, m: jax.lax.fori_loop(0, m, lambda _, c: grad_step(*c), (p, s))),
+        "fori_loop (loss each step)": jax.jit(lambda p, s, m: jax.lax.fori_loop(
+            0, m, lambda _, c: loss_step(*c[:2]), (p, s, jnp.float32(0)))),
+    }
+
+
 def contenders(size: str, n: int, lr: float = 0.01):
     """Builders (see `stepfuse.bench._timing.measure`) for every JAX contender on ``size``."""
     layers, x, y = problem(size)
@@ -28,41 +56,24 @@ def contenders(size: str, n: int, lr: float = 0.01):
     batch = (jnp.asarray(x), jnp.asarray(y))
     optimizer = optax.sgd(lr)
     loss_fn = mlp_loss
-
-    def one_step(p, s):
-        g = jax.grad(loss_fn)(p, *batch)
-        u, s = optimizer.update(g, s, p)
-        return optax.apply_updates(p, u), s
+    one_step, loss_step = optax_steps(optimizer, batch, loss_fn)
+    loops = fori_loops(one_step, loss_step)
 
     def stepfuse():
         fit = sf.fuse(loss_fn, optimizer, steps=n)
         state = fit.init(params)
         return lambda m: fit(state, *batch, steps=m)[1].loss
 
-    def fori_loop():
-        run = jax.jit(lambda p, s, m: jax.lax.fori_loop(0, m, lambda i, c: one_step(*c), (p, s)))
-        s0 = optimizer.init(params)
-        return lambda m: jax.block_until_ready(run(params, s0, m))
-
-    def fori_loop_with_loss():
-        """The cheapest loop that evaluates the loss at every step: value_and_grad, the last
-        loss kept, nothing recorded. The floor for any loop that reports per-step losses."""
-        def body(_, c):
-            p, s, _ = c
-            value, g = jax.value_and_grad(loss_fn)(p, *batch)
-            u, s = optimizer.update(g, s, p)
-            return optax.apply_updates(p, u), s, value
-
-        run = jax.jit(lambda p, s, m: jax.lax.fori_loop(0, m, body, (p, s, jnp.float32(0))))
-        s0 = optimizer.init(params)
-        return lambda m: jax.block_until_ready(run(params, s0, m))
+    def fori(name):
+        def build():
+            run, s0 = loops[name], optimizer.init(params)
+            return lambda m: jax.block_until_ready(run(params, s0, m))
+        return build
 
     def scan():
         def body(c, _):
-            p, s = c
-            value, g = jax.value_and_grad(loss_fn)(p, *batch)
-            u, s = optimizer.update(g, s, p)
-            return (optax.apply_updates(p, u), s), value
+            p, s, value = loss_step(*c)
+            return (p, s), value
 
         run = jax.jit(lambda p, s: jax.lax.scan(body, (p, s), None, length=n))
         s0 = optimizer.init(params)
@@ -79,6 +90,6 @@ def contenders(size: str, n: int, lr: float = 0.01):
             return jax.block_until_ready(c)
         return run
 
-    return {"stepfuse": stepfuse, "fori_loop": fori_loop,
-            "fori_loop (loss each step)": fori_loop_with_loss, "scan (with losses)": scan,
+    return {"stepfuse": stepfuse, "fori_loop": fori("fori_loop"),
+            "fori_loop (loss each step)": fori("fori_loop (loss each step)"), "scan (with losses)": scan,
             "jit per step": jit_per_step}, {"jit per step": min(n, 1000)}
