@@ -57,14 +57,17 @@ def test_fetching_train_op_and_losses_runs_the_loop_once():
         np.testing.assert_array_equal(a, b)
 
 
-def test_packed_holds_the_losses_then_steps_taken_and_stop_bits():
-    g, s, f, x, y = seed_graph(3)
-    packed, losses, taken, stop = s.run([f.packed, f.losses, f.steps_taken, f.stop], feed(x, y))
-    np.testing.assert_array_equal(packed[:-2], losses)
-    assert packed[-2:].view(np.int32).tolist() == [taken, stop] == [3, int(Stop.STEPS)]
-    trace = f.run(s, feed(x, y), steps=2)  # `run` decodes it: the loop goes on from step 3
-    assert trace.steps == 2 and trace.stop == Stop.STEPS and trace.loss.shape == (2,)
-    assert trace.loss[0] < losses[-1]
+def test_packed_holds_the_losses_then_count_steps_taken_and_stop_bits():
+    for steps in (3, "placeholder"):  # packed inside the XLA call / by graph ops after the loop
+        g, s, f, x, y = seed_graph(steps)
+        fd = feed(x, y) if steps == 3 else {**feed(x, y), f.steps: 3}
+        packed, losses, taken, stop = s.run([f.packed, f.losses, f.steps_taken, f.stop], fd)
+        count, taken2, stop2 = packed[-3:].view(np.int32).tolist()
+        assert count == 3 and [taken, stop] == [taken2, stop2] == [3, int(Stop.STEPS)]
+        np.testing.assert_array_equal(packed[:count], losses)
+        trace = f.run(s, feed(x, y), steps=2)  # `run` decodes it: the loop goes on from step 3
+        assert trace.steps == 2 and trace.stop == Stop.STEPS and trace.loss.shape == (2,)
+        assert trace.loss[0] < losses[-1]
 
 
 def test_graph_size_does_not_grow_with_steps():
@@ -272,3 +275,18 @@ def test_bad_input_names_the_argument(case, name):
         with pytest.raises((TypeError, ValueError), match=f"`{name}`") as err:
             v1.fuse(loss, opt, **kw)
     assert "got" in str(err.value)
+
+
+def test_small_n_benchmark_script_times_every_contender(capsys):
+    # benchmarks/tf1_small_n.py, on its smallest settings: it runs and reports each row.
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "tf1_small_n.py"
+    spec = importlib.util.spec_from_file_location("tf1_small_n", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main(["--steps", "2", "--instances", "1", "--rounds", "1", "--runs", "1"])
+    out = capsys.readouterr().out
+    for row in ("stepfuse", "N copies (seed answer)", "sess.run of a constant", "stepfuse / N copies:"):
+        assert row in out

@@ -45,6 +45,9 @@ _MESSAGES = {
 }
 
 
+_STOPS = tuple(Stop)  # code -> Stop; `Stop(code)` costs ~0.8 us a call
+
+
 @dataclasses.dataclass(frozen=True)
 class Trace:
     """What one fused call did, read on the host.
@@ -95,11 +98,12 @@ def host_trace(losses, steps: int, stop: int, record_every: int) -> Trace:
     ``losses`` holds at least the recorded entries; the number kept follows from the
     number of losses evaluated (``steps``, plus the refused one after ``NONFINITE``).
     """
-    steps, stop = int(steps), Stop(int(stop))
+    steps, stop = int(steps), _STOPS[int(stop)]
     evaluated = steps + (1 if stop == Stop.NONFINITE else 0)
     kept = n_recorded(evaluated, record_every)
-    loss = np.asarray(losses, dtype=np.float64 if np.asarray(losses).dtype == np.float64 else np.float32)
-    return Trace(loss=loss[:kept].copy(), steps=steps, stop=stop, record_every=record_every)
+    loss = np.asarray(losses)
+    loss = loss[:kept].astype(np.float64 if loss.dtype == np.float64 else np.float32)  # a copy
+    return Trace(loss=loss, steps=steps, stop=stop, record_every=record_every)
 
 
 class NonFiniteError(FloatingPointError):

@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from .._loop import finish, run_stepwise
-from .._options import Options, check_int, check_options
+from .._options import Options, check_int, check_options, check_steps
 from . import _MIN_CHUNK, _all_finite, _check_loss, _fail, _inner_loop, _outer_loop
 from .._trace import Trace, host_trace
 
@@ -130,9 +130,10 @@ class Fused:
         when ``steps`` was a Python int: feed it to change the count without rebuilding).
       max_steps: the most steps one run may take (``chunk``) for an int ``steps``; ``None``
         for a tensor ``steps`` (chunks are chained).
-      packed: float32 ``losses`` followed by ``steps_taken`` and ``stop`` as their int32
-        bits (``packed[-2:].view(np.int32)`` on the host): one fetch for all of a run's
-        results, which ``run`` uses.
+      packed: one float32 vector with all of a run's results, which ``run`` fetches: a
+        loss buffer whose first ``count`` entries are ``losses``, then ``count``,
+        ``steps_taken`` and ``stop`` as int32 bits (on the host: ``count, taken, stop =
+        packed[-3:].view(np.int32)``, ``losses = packed[:count]``).
       loss: the loss at the current variables (the forward pass that created them).
       var_list, state: the trained variables; those plus the optimizer's variables.
     """
@@ -143,16 +144,16 @@ class Fused:
     def run(self, sess, feed_dict: Optional[Dict] = None, steps: Optional[int] = None) -> Trace:
         """Run the loop once in ``sess`` and return the host `stepfuse.Trace`."""
         feed = dict(feed_dict or {})
-        if steps is not None:
+        if steps is not None and not (type(steps) is int and steps == self.opts.steps and self.max_steps):
             n = _check_run_steps(steps, self.max_steps)
             if self.max_steps is None or n != self.opts.steps:  # a feed costs ~45 us a run
                 feed[self.steps] = n
         # One fetch: each fetched tensor costs ~10-20 us of sess.run here (see `packed`).
         packed = sess.run(self.packed, feed)
-        losses, (applied, stop) = packed[:-2], packed[-2:].view(np.int32)
+        count, applied, stop = packed[-3:].view(np.int32).tolist()
         start = self.step
-        self.step += int(applied)
-        return finish(host_trace(losses, int(applied), int(stop), self.opts.record_every), self.opts, start)
+        self.step += applied
+        return finish(host_trace(packed[:count], applied, stop, self.opts.record_every), self.opts, start)
 
 
 class Stepwise:
@@ -184,8 +185,6 @@ class Stepwise:
 
 
 def _check_run_steps(steps, most: Optional[int] = None) -> int:
-    from .._options import check_steps
-
     n = check_steps(steps)
     if most is not None and n > most:
         _fail(ValueError, "steps", steps, f"at most {most} (the chunk this graph was built with)",
@@ -306,16 +305,18 @@ def fuse(
         return _inner_loop(step, m, i0, prev, opts, cap, xla=jit_compile)
 
     def whole_run_py(m):
-        """All of a run in one call: only what the graph reads comes out."""
+        """All of a run in one call, whose one output is `packed`: no graph op after it."""
         buf, count, _, applied, stop, _ = _inner_loop(
             step, m, tf.constant(0, tf.int32), tf.constant(math.nan, tf.float64), opts, cap,
             xla=jit_compile)
-        return buf, tf.reshape(count, [1]), applied, stop
+        return tf.concat([buf, tf.bitcast(tf.stack([count, applied, stop]), tf.float32)], 0)
 
     with tf1.name_scope("stepfuse_loop"):
         if isinstance(steps_given, (tf.Tensor, tf.Variable)):
             inner = tf.function(inner_py, jit_compile=bool(jit_compile), autograph=False)
             losses, applied, stop, _ = _outer_loop(inner, n, tf.constant(0, tf.int64), opts, chunk)
+            tail = tf.bitcast(tf.stack([tf.size(losses), applied, stop]), tf.float32)
+            packed = tf.concat([losses, tail], 0, name="packed")
         else:
             # At most `chunk` steps per run and no graph loop around the call (measured:
             # ~50 us less per sess.run, about what the one-step graph of the seed costs).
@@ -324,13 +325,14 @@ def fuse(
                 f"chunk it was built with); build with fuse(..., steps=N) for larger N, or "
                 f"with chunk=N, or give steps as an int32 tensor. Got:", n])
             whole_run = tf.function(whole_run_py, jit_compile=bool(jit_compile), autograph=False)
+            # `run` fetches the call's own output. The seed, 1 step a run: ~199 us when
+            # `run` fetched [losses, steps_taken, stop, train_op], ~174 us for one tensor
+            # packed by graph ops after the call, ~10 us less again packed inside it.
             with tf.control_dependencies([fits]):
-                buf, size, applied, stop = whole_run(n)
-            losses = tf.slice(buf, [0], size)
+                packed = whole_run(n)
+            count, applied, stop = tf.unstack(tf.bitcast(packed[-3:], tf.int32), num=3)
+            losses = packed[:count]
         train_op = tf.group(applied, stop, losses, name="train_op")
-        # `run` fetches one tensor: on the seed, 1 step a run, `run` took ~199 us when it
-        # fetched [losses, steps_taken, stop, train_op] and ~174 us fetching this.
-        packed = tf.concat([losses, tf.bitcast(tf.stack([applied, stop]), tf.float32)], 0, name="packed")
     return Fused(train_op=train_op, losses=losses, steps_taken=applied, stop=stop, steps=n, packed=packed,
                  loss=loss0, var_list=var_list, state=state, opts=opts, optimizer=optimizer,
                  jit_compile=bool(jit_compile), chunk=chunk, step=0,
