@@ -10,6 +10,9 @@ Contenders, timed side by side in this one process (best of interleaved repeats)
   jit per step        jax.jit of one step, called N times from Python
 
 Run:  python benchmarks/bench_jax.py [--steps 10000] [--size seed] [--json FILE]
+      [--xla-option NAME=VALUE ...]   (XLA options for every contender's jax.jit alike,
+      e.g. --xla-option xla_cpu_experimental_ynn_fusion_type= ; stepfuse gets them
+      through fuse(..., compiler_options=...))
 (`stepfuse bench --backends jax` runs the same contenders for every size and N.)
 """
 
@@ -27,8 +30,11 @@ def main(argv=None):
     ap.add_argument("--size", default="seed", choices=("seed", "mlp", "wide"))
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                    help="an XLA compiler option for every contender (repeatable)")
     args = ap.parse_args(argv)
-    builders, steps_for = contenders(args.size, args.steps)
+    options = dict(o.split("=", 1) for o in args.xla_option)
+    builders, steps_for = contenders(args.size, args.steps, compiler_options=options or None)
     results = measure(builders, args.steps, backend="jax", problem=args.size,
                       repeats=args.repeats, steps_for=steps_for)
     print_table(results, title=f"JAX, {args.size}, N={args.steps} (x stepfuse = us/step / stepfuse's)")
@@ -39,7 +45,8 @@ def main(argv=None):
           f"stepfuse / scan (with losses) = {sf / r['scan (with losses)'].us_per_step:.2f}x   "
           f"jit per step / stepfuse = {r['jit per step'].ratio:.1f}x")
     if args.json:
-        write_json(results, args.json, command="python benchmarks/bench_jax.py", steps=args.steps)
+        write_json(results, args.json, command="python benchmarks/bench_jax.py", steps=args.steps,
+                   compiler_options=options)
 
 
 if __name__ == "__main__":

@@ -95,6 +95,32 @@ def test_stepwise_mode_equals_fused_mode(opt_name):
         np.testing.assert_allclose(a.loss, b.loss, rtol=RTOL, atol=ATOL)
 
 
+NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}  # an XLA:CPU option (see `fuse`)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="an XLA:CPU option")
+def test_compiler_options_reach_the_fused_program_and_keep_the_results():
+    loss_fn, init = PROBLEMS["perceptron"]
+    opt = OPTIMIZERS["adam"]
+    fits = {mode: sf.fuse(loss_fn, opt(), steps=8, mode=mode, compiler_options=NO_YNN)
+            for mode in ("fused", "stepwise")}
+    out = {mode: fit(fit.init(init()), X, Y) for mode, fit in fits.items()}
+    ref_params, _, ref_losses = optax_stepwise(loss_fn, opt(), init(), 8, X, Y)
+    for state, trace in out.values():
+        assert trace.steps == 8
+        assert_trees_close(state.params, ref_params)
+        np.testing.assert_allclose(trace.loss, ref_losses, rtol=RTOL, atol=ATOL)
+    fit, state = fits["fused"], fits["fused"].init(init())
+
+    def hlo(f):
+        return f._fused.lower(state, (X, Y), np.int32(8), f._period(False), scan_steps=None,
+                              host_id=None, pack=True).compile().as_text()
+    plain = hlo(sf.fuse(loss_fn, opt(), steps=8))
+    if "ynn_fusion" not in plain:
+        pytest.skip("this XLA:CPU does not fuse the matmul with YNN: nothing to compare")
+    assert "ynn_fusion" not in hlo(fit)  # the option reached the compiler
+
+
 def test_seed_table_row_k_of_3_steps_equals_row_3k_of_1_step():
     tables = {}
     for n in (1, 3):
@@ -432,7 +458,10 @@ def test_call_steps_above_the_built_capacity_says_how_to_fix():
         fit(fit.init(perceptron_init()), X, Y, steps=4)
 
 
-@pytest.mark.parametrize("kwargs, name", [({"record_every": 0}, "record_every"), ({"tol": -1.0}, "tol")])
+@pytest.mark.parametrize("kwargs, name", [({"record_every": 0}, "record_every"), ({"tol": -1.0}, "tol"),
+                                          ({"compiler_options": {"xla_no_such_option": 1}}, "compiler_options"),
+                                          ({"compiler_options": [("a", 1)]}, "compiler_options"),
+                                          ({"compiler_options": {"a": [1]}}, "compiler_options")])
 def test_bad_options(kwargs, name):
     with pytest.raises((TypeError, ValueError), match=f"`{name}`"):
         sf.fuse(perceptron_loss, optax.sgd(0.1), steps=3, **kwargs)

@@ -38,29 +38,35 @@ def optax_steps(optimizer, batch, loss_fn=mlp_loss):
     return grad_step, loss_step
 
 
-def fori_loops(grad_step, loss_step):
+def _jit(fn, compiler_options=None):
+    return jax.jit(fn, **({"compiler_options": compiler_options} if compiler_options else {}))
+
+
+def fori_loops(grad_step, loss_step, compiler_options=None):
     """The hand-written ``lax.fori_loop`` contenders, jitted as ``run(params, opt_state, m)``:
     of `optax_steps`' gradient step, and of its loss step keeping the last loss (nothing
     recorded), the floor for any loop that reports per-step losses."""
     return {
-        "fori_loop": jax.jit(lambda p, s, m: jax.lax.fori_loop(0, m, lambda _, c: grad_step(*c), (p, s))),
-        "fori_loop (loss each step)": jax.jit(lambda p, s, m: jax.lax.fori_loop(
-            0, m, lambda _, c: loss_step(*c[:2]), (p, s, jnp.float32(0)))),
+        "fori_loop": _jit(lambda p, s, m: jax.lax.fori_loop(0, m, lambda _, c: grad_step(*c), (p, s)),
+                          compiler_options),
+        "fori_loop (loss each step)": _jit(lambda p, s, m: jax.lax.fori_loop(
+            0, m, lambda _, c: loss_step(*c[:2]), (p, s, jnp.float32(0))), compiler_options),
     }
 
 
-def contenders(size: str, n: int, lr: float = 0.01):
-    """Builders (see `stepfuse.bench._timing.measure`) for every JAX contender on ``size``."""
+def contenders(size: str, n: int, lr: float = 0.01, compiler_options=None):
+    """Builders (see `stepfuse.bench._timing.measure`) for every JAX contender on ``size``;
+    ``compiler_options`` (XLA options) go to every contender's ``jax.jit`` alike."""
     layers, x, y = problem(size)
     params = jax.tree_util.tree_map(jnp.asarray, layers)
     batch = (jnp.asarray(x), jnp.asarray(y))
     optimizer = optax.sgd(lr)
     loss_fn = mlp_loss
     one_step, loss_step = optax_steps(optimizer, batch, loss_fn)
-    loops = fori_loops(one_step, loss_step)
+    loops = fori_loops(one_step, loss_step, compiler_options)
 
     def stepfuse():
-        fit = sf.fuse(loss_fn, optimizer, steps=n)
+        fit = sf.fuse(loss_fn, optimizer, steps=n, compiler_options=compiler_options)
         state = fit.init(params)
         return lambda m: fit(state, *batch, steps=m)[1].loss
 
@@ -75,12 +81,12 @@ def contenders(size: str, n: int, lr: float = 0.01):
             p, s, value = loss_step(*c)
             return (p, s), value
 
-        run = jax.jit(lambda p, s: jax.lax.scan(body, (p, s), None, length=n))
+        run = _jit(lambda p, s: jax.lax.scan(body, (p, s), None, length=n), compiler_options)
         s0 = optimizer.init(params)
         return lambda m: jax.block_until_ready(run(params, s0))
 
     def jit_per_step():
-        step = jax.jit(one_step)
+        step = _jit(one_step, compiler_options)
         s0 = optimizer.init(params)
 
         def run(m):

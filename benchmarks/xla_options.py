@@ -1,0 +1,68 @@
+"""Whether an XLA compiler option pays on a given model shape, before passing it to stepfuse.
+
+Times one hand-written `lax.fori_loop` of optax SGD steps (gradient only) per model shape,
+compiled twice in this one process: with JAX's defaults and with the given options (what
+``stepfuse.jax.fuse(..., compiler_options=...)`` passes to its ``jax.jit``). Prints
+microseconds per step and the ratio (< 1: the option is faster). Models are tanh MLPs
+(no hidden layer: a linear model) with softmax cross-entropy on random data.
+
+    python benchmarks/xla_options.py [--option xla_cpu_experimental_ynn_fusion_type=] [--steps 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from stepfuse.bench.jax import fori_loops, optax_steps
+
+# (layer widths, points): linear models first, then MLPs; the seed's perceptron is the first.
+SHAPES = [((2, 2), 50), ((2, 2), 10_000), ((10, 10), 1_000), ((784, 10), 256),
+          ((2, 16, 2), 50), ((8, 8, 2), 1_000), ((32, 32, 10), 256), ((2, 64, 64, 2), 1_024)]
+
+
+def model(widths, points, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(points, widths[0])).astype(np.float32))
+    y = jnp.asarray(rng.integers(0, widths[-1], points).astype(np.int32))
+    params = [{"kernel": jnp.asarray(rng.normal(size=(a, b)).astype(np.float32) * 0.1),
+               "bias": jnp.zeros(b, jnp.float32)} for a, b in zip(widths[:-1], widths[1:])]
+    return params, (x, y)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--option", action="append", metavar="NAME=VALUE",
+                    help="an XLA option (repeatable); default: xla_cpu_experimental_ynn_fusion_type=")
+    ap.add_argument("--steps", type=int, default=300, help="steps per timed call")
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args(argv)
+    options = dict(o.split("=", 1) for o in (args.option or ["xla_cpu_experimental_ynn_fusion_type="]))
+    print(f"fori_loop of SGD steps on {jax.default_backend()}, us per step: default vs {options}")
+    for widths, points in SHAPES:
+        params, batch = model(widths, points)
+        opt = optax.sgd(0.01)
+        s0 = opt.init(params)
+        steps = optax_steps(opt, batch)
+        runs = {"default": fori_loops(*steps)["fori_loop"],
+                "options": fori_loops(*steps, compiler_options=options)["fori_loop"]}
+        best = dict.fromkeys(runs, float("inf"))
+        for run in runs.values():
+            jax.block_until_ready(run(params, s0, args.steps))
+        for r in range(args.repeats):
+            for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+                t0 = time.perf_counter()
+                jax.block_until_ready(runs[name](params, s0, args.steps))
+                best[name] = min(best[name], (time.perf_counter() - t0) / args.steps * 1e6)
+        label = "-".join(map(str, widths)) + f" on {points:,}"
+        print(f"  {label:22s} default {best['default']:9.2f}   options {best['options']:9.2f}   "
+              f"options/default {best['options'] / best['default']:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
