@@ -272,6 +272,18 @@ def test_jit_of_fit_equals_fit():
     np.testing.assert_allclose(t1.loss, np.asarray(t2.loss)[: t1.steps], rtol=RTOL)
 
 
+def test_jit_of_fit_closing_over_its_inputs_equals_fit():
+    # No argument of `fit` is a tracer, yet it runs inside a trace: the results come back
+    # as arrays of the outer program, and the fit still works outside it afterwards.
+    fit = sf.fuse(perceptron_loss, optax.adam(0.01), steps=10)
+    state = fit.init(perceptron_init())
+    s2, t2 = jax.jit(lambda: fit(state, X, Y, steps=7))()
+    s1, t1 = fit(state, X, Y, steps=7)
+    assert_trees_close(s1.params, s2.params)
+    assert int(t2.steps) == t1.steps == 7 and int(t2.stop) == Stop.STEPS
+    np.testing.assert_allclose(t1.loss, np.asarray(t2.loss)[:7], rtol=RTOL)
+
+
 def test_grad_through_fixed_steps_matches_finite_differences():
     def final_loss(w0, target):
         fit = sf.fuse(quadratic, optax.sgd(0.02, momentum=0.5), steps=5)

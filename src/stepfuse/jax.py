@@ -239,13 +239,17 @@ class Fit:
                 m, period = self._int32(m), self._int32(period)
             state, out, aux = self._fused(state, batch, m, period,
                                           scan_steps=scan_steps, host_id=host_id, pack=not traced)
-            if not isinstance(out, tuple):  # packed: one transfer to the host (see `_run`)
+            if isinstance(out, jax.core.Tracer):  # packed, under a user's jit that closed
+                traced = True                      # over every input: decoded in the graph
+                buf = jax.lax.bitcast_convert_type(out[:-2], _FLOAT_OF[np.dtype(out.dtype)])
+                applied, stop = out[-2], out[-1]
+            elif not isinstance(out, tuple):  # packed: one transfer to the host (see `_run`)
                 out = np.asarray(out)
                 buf = out[:-2].view(np.float32 if out.dtype == np.int32 else _FLOAT_OF[out.dtype])
                 applied, stop = out[-2:].tolist()
             else:
                 buf, applied, stop = out
-            if notify:  # the host calls happen during the program: wait for it to end
+            if notify and not traced:  # the host calls happen during the program: wait for it
                 done = int(applied)
                 self._notifier.done(done)
                 self._seconds_per_step = (time.perf_counter() - t0) / max(done, 1)
@@ -263,14 +267,15 @@ class Fit:
     def _int32(self, value) -> jax.Array:
         """``value`` as an int32 array already on the device, kept per value: a NumPy
         scalar argument is transferred at every call (~6 us each on XLA:CPU here, of a
-        ~50 us one-step call on the seed). Not under a user's transform, where the array
-        would be made inside the trace."""
+        ~50 us one-step call on the seed). Made concrete even while a user's ``jax.jit``
+        is tracing the call (a kept tracer would escape its trace)."""
         value = int(value)
         array = self._ints.get(value)
         if array is None:
             if len(self._ints) >= 64:
                 self._ints.clear()
-            array = self._ints[value] = jnp.asarray(value, jnp.int32)
+            with jax.ensure_compile_time_eval():
+                array = self._ints[value] = jnp.asarray(value, jnp.int32)
         return array
 
     # -- the fused program ----------------------------------------------------------
