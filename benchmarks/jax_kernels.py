@@ -17,7 +17,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from stepfuse import jax as sf
@@ -53,8 +52,7 @@ def main(argv=None):
              for name, run in fori_loops(*optax_steps(opt, batch)).items()}
     fit = sf.fuse(mlp_loss, opt, steps=10)
     state = fit.init(params)
-    loops["stepfuse"] = fit._fused.lower(state, batch, np.int32(10), fit._period(False), scan_steps=None,
-                                         host_id=None, pack=True).compile().as_text()
+    loops["stepfuse"] = fit._compiled_text(state, *batch)
     print(f"kernels per loop-body run, {args.size} ({jax.default_backend()}):")
     for name, hlo in loops.items():
         counts = sorted((k for _, k in loop_bodies(hlo)), reverse=True)

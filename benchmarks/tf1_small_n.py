@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 
 from stepfuse.bench import tf1 as bench_tf1  # noqa: E402
+from stepfuse.bench._timing import interleaved_best  # noqa: E402
 from stepfuse.bench.problems import problem  # noqa: E402
 
 tf1 = tf.compat.v1
@@ -60,18 +60,12 @@ def main(argv=None):
                 for _ in range(10):
                     run(1 if name == FLOOR else n)
                 runs[(name, i)] = run
-        best = dict.fromkeys(runs, float("inf"))
-        for r in range(args.rounds):
-            for key in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-                m = 1 if key[0] == FLOOR else n
-                t0 = time.perf_counter()
-                for _ in range(args.runs):
-                    runs[key](m)
-                best[key] = min(best[key], (time.perf_counter() - t0) / args.runs * 1e6)
+        calls = {key: (lambda run=run, m=1 if key[0] == FLOOR else n: run(m)) for key, run in runs.items()}
+        best = interleaved_best(calls, args.rounds, per_sample=args.runs)
         med = {}
         print(f"\n{args.size}, N = {n}: us per sess.run (best round of each instance; median)")
         for name in builders:
-            mins = [best[(name, i)] for i in range(args.instances)]
+            mins = [1e6 * best[(name, i)] for i in range(args.instances)]
             med[name] = statistics.median(mins)
             print(f"  {name:24s} {' '.join(f'{t:8.1f}' for t in mins)}   median {med[name]:8.1f}")
         ratio = med["stepfuse"] / med["N copies (seed answer)"]

@@ -12,13 +12,13 @@ microseconds per step and the ratio (< 1: the option is faster). Models are tanh
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from stepfuse.bench._timing import interleaved_best
 from stepfuse.bench.jax import fori_loops, optax_steps
 
 # (layer widths, points): linear models first, then MLPs; the seed's perceptron is the first.
@@ -51,14 +51,11 @@ def main(argv=None):
         steps = optax_steps(opt, batch)
         runs = {"default": fori_loops(*steps)["fori_loop"],
                 "options": fori_loops(*steps, compiler_options=options)["fori_loop"]}
-        best = dict.fromkeys(runs, float("inf"))
-        for run in runs.values():
-            jax.block_until_ready(run(params, s0, args.steps))
-        for r in range(args.repeats):
-            for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-                t0 = time.perf_counter()
-                jax.block_until_ready(runs[name](params, s0, args.steps))
-                best[name] = min(best[name], (time.perf_counter() - t0) / args.steps * 1e6)
+        calls = {name: (lambda run=run: jax.block_until_ready(run(params, s0, args.steps)))
+                 for name, run in runs.items()}
+        for call in calls.values():  # compiles
+            call()
+        best = {name: 1e6 * t / args.steps for name, t in interleaved_best(calls, args.repeats).items()}
         label = "-".join(map(str, widths)) + f" on {points:,}"
         print(f"  {label:22s} default {best['default']:9.2f}   options {best['options']:9.2f}   "
               f"options/default {best['options'] / best['default']:.2f}", flush=True)

@@ -264,6 +264,13 @@ class Fit:
                 trace = finish(trace, self.opts, int(state.step) - trace.steps)
         return (state, trace, aux) if self.has_aux else (state, trace)
 
+    def _compiled_text(self, state: FitState, *batch, steps: Optional[int] = None) -> str:
+        """The HLO text of the program a plain call of ``steps`` runs, as XLA compiled it
+        (for inspection: `benchmarks/jax_kernels.py`, the tests)."""
+        n = np.int32(self.opts.steps if steps is None else steps)
+        return self._fused.lower(state, batch, n, self._period(False), scan_steps=None, host_id=None,
+                                 pack=True).compile().as_text()
+
     def _int32(self, value) -> jax.Array:
         """``value`` as an int32 array already on the device, kept per value: a NumPy
         scalar argument is transferred at every call (~6 us each on XLA:CPU here, of a

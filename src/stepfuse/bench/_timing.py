@@ -14,7 +14,7 @@ import platform
 import time
 from typing import Callable, Dict, List, Optional
 
-__all__ = ["Result", "time_call", "measure", "print_table", "write_json"]
+__all__ = ["Result", "time_call", "interleaved_best", "measure", "print_table", "write_json"]
 
 
 @dataclasses.dataclass
@@ -50,6 +50,20 @@ def time_call(run: Callable[[int], object], n: int, repeats: int = 5, min_time: 
         if dt > 10 * min_time and r >= 1:
             break
     return best / n
+
+
+def interleaved_best(calls: Dict[object, Callable[[], object]], rounds: int, per_sample: int = 1) -> Dict[object, float]:
+    """Best seconds per call of each ``calls[key]()``: ``rounds`` rounds timing every call
+    in turn (``per_sample`` calls a sample), the order reversed every other round so that
+    no call always runs first or right after the same neighbour."""
+    best = dict.fromkeys(calls, float("inf"))
+    for r in range(rounds):
+        for key in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
+            call, t0 = calls[key], time.perf_counter()
+            for _ in range(per_sample):
+                call()
+            best[key] = min(best[key], (time.perf_counter() - t0) / per_sample)
+    return best
 
 
 def measure(
