@@ -122,50 +122,66 @@ def test_one_compile_serves_every_steps_and_new_batch_values(sgd_fit):
     assert fit.compiles == before == 1
 
 
-def test_options_tol_record_every_callback_match_stepwise_oracle():
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (the CUDA-graph path)"))]
+TOL = {"cpu": dict(rtol=1e-6, atol=1e-7), "cuda": dict(rtol=1e-5, atol=1e-6)}
+"""Fused against eager on one device: float32 on the CPU; on CUDA inductor's fused kernels
+and torch's capturable update rules round differently from the eager kernels."""
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_options_tol_record_every_callback_match_stepwise_oracle(device):
     seen = {"fused": [], "stepwise": []}
     fits = {}
+    x, y, tol = X.to(device), Y.to(device), TOL[device]
     for mode in ("fused", "stepwise"):
         model, optimizer, loss_fn = make("perceptron", "adam")
+        model.to(device)
         fits[mode] = (model, optimizer, sf.fuse(
             loss_fn, optimizer, steps=40, tol=8e-3, record_every=3, every=4, chunk=2, mode=mode,
             callback=lambda step, loss, mode=mode: seen[mode].append((step, loss))))
-    traces = {mode: [f(X, Y, steps=n) for n in (5, 40)] for mode, (_, _, f) in fits.items()}
+    traces = {mode: [f(x, y, steps=n) for n in (5, 40)] for mode, (_, _, f) in fits.items()}
+    assert fits["fused"][2].mode == "fused"
     for tf, ts in zip(traces["fused"], traces["stepwise"]):
         assert (tf.steps, tf.stop) == (ts.steps, ts.stop)
-        np.testing.assert_allclose(tf.loss, ts.loss, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(tf.loss, ts.loss, **tol)
     assert traces["fused"][0].stop == Stop.STEPS and traces["fused"][1].stop == Stop.TOL
     assert 0 < traces["fused"][1].steps < 40  # the converged call cost fewer steps
     assert len(traces["fused"][0].loss) == 2  # steps 0 and 3 of 5
     assert [s for s, _ in seen["fused"]] == [s for s, _ in seen["stepwise"]]
     assert [s for s, _ in seen["fused"]][:3] == [4, 8, 12]
-    np.testing.assert_allclose([v for _, v in seen["fused"]], [v for _, v in seen["stepwise"]], rtol=1e-6)
-    assert_close_lists(params_of(fits["fused"][0]), params_of(fits["stepwise"][0]))
-    assert_same_state(state_of(fits["fused"][1]), state_of(fits["stepwise"][1]))
+    np.testing.assert_allclose([v for _, v in seen["fused"]], [v for _, v in seen["stepwise"]], rtol=tol["rtol"])
+    assert_close_lists(params_of(fits["fused"][0]), params_of(fits["stepwise"][0]), **tol)
+    assert_same_state(state_of(fits["fused"][1]), state_of(fits["stepwise"][1]), **tol)
 
 
 def diverging(model):
     return torch.optim.SGD, [{"params": model.parameters(), "lr": 1e37, "momentum": 0.9}]
 
 
-def test_nonfinite_stops_before_the_bad_update_like_the_stepwise_oracle():
+@pytest.mark.parametrize("device", DEVICES)
+def test_nonfinite_stops_before_the_bad_update_like_the_stepwise_oracle(device):
     runs = {}
+    x, y, tol = X.to(device), Y.to(device), TOL[device]
     for mode in ("fused", "stepwise"):
         model, optimizer, loss_fn = make("perceptron", param_groups=diverging)
+        model.to(device)
         fit = sf.fuse(loss_fn, optimizer, steps=10, mode=mode, chunk=2)
-        runs[mode] = (model, optimizer, fit(X, Y))
+        runs[mode] = (model, optimizer, fit(x, y))
+        assert fit.mode == mode
     (mf, of, tf), (ms, os_, ts) = runs["fused"], runs["stepwise"]
     assert ts.stop == Stop.NONFINITE and 1 < ts.steps < 10
     assert (tf.steps, tf.stop) == (ts.steps, ts.stop)
     assert len(tf.loss) == ts.steps + 1 and not np.isfinite(tf.loss[-1])
-    np.testing.assert_allclose(tf.loss[:-1], ts.loss[:-1], rtol=1e-6)
-    assert_close_lists(params_of(mf), params_of(ms))
+    np.testing.assert_allclose(tf.loss[:-1], ts.loss[:-1], rtol=tol["rtol"])
+    assert_close_lists(params_of(mf), params_of(ms), **tol)
     assert all(torch.isfinite(p).all() for p in mf.parameters())
-    assert_same_state(state_of(of), state_of(os_))
+    assert_same_state(state_of(of), state_of(os_), **tol)
     # the oracle itself: exactly `steps` plain updates give these parameters
     mr, optr, _ = make("perceptron", param_groups=diverging)
-    reference_steps(mr, optr, ts.steps)
-    assert_close_lists(params_of(ms), params_of(mr))
+    mr.to(device)
+    reference_steps(mr, optr, ts.steps, x, y)
+    assert_close_lists(params_of(ms), params_of(mr), **tol)
 
 
 def test_on_nonfinite_raise_reports_the_step_and_keeps_the_finite_state():
@@ -275,16 +291,82 @@ def test_loss_without_a_module_falls_back_and_names_model():
 # -- CUDA graph path -------------------------------------------------------------------------
 
 
+class _Replay:
+    """Stands in for a captured CUDA graph on the CPU: replaying runs the chunk ``k`` times
+    on the same static buffers, which is what replaying its captured kernels does."""
+
+    def __init__(self, chunk, k):
+        self.chunk, self.k = chunk, k
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+        for _ in range(self.k):
+            self.chunk()
+
+
+@pytest.mark.parametrize("kernels", ["compiled", "eager"])
+def test_graph_path_static_buffers_and_replays_match_reference_on_cpu(monkeypatch, kernels):
+    """The CUDA path's host logic (static buffers, one-chunk and many-chunk graphs, the
+    write-back of state kept on the CPU) against torch's own Adam, with the capture
+    replaced by re-running the chunk: a fault in that logic shows up without a GPU."""
+    graphs = []
+
+    def fake_graphs(chunk, dev, sizes):
+        for _ in range(3):  # the warm-up, as on CUDA
+            chunk()
+        graphs[:] = [_Replay(chunk, k) for k in sizes]
+        return list(graphs)
+
+    monkeypatch.setattr(sf, "_cuda_graphs", fake_graphs)
+    monkeypatch.setattr(sf, "_GRAPH_CHUNKS", 2)
+    monkeypatch.setattr(sf.FusedFit, "_cuda", property(lambda self: True))
+    if kernels == "eager":
+        def no_compile(self, make):
+            raise RuntimeError("inductor cannot take it")
+        monkeypatch.setattr(sf.FusedFit, "_compile_chunk", no_compile)
+        # the eager capturable Adam refuses CPU tensors: SGD with momentum stands in
+        opt = "sgd_momentum"
+    else:
+        opt = "adam"
+    model, optimizer, loss_fn = make("perceptron", opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no silent fallback
+        fit = sf.fuse(loss_fn, optimizer, steps=9, chunk=2)
+        calls = (3, 1, 9, 2)  # 9 steps: chunks 5 = 2 long replays of 2 chunks + 1 short
+        traces = [fit(X, Y, steps=n) for n in calls]
+    assert fit.mode == "fused" and fit.compiles == 1
+    assert fit._program.fused_kernels == (kernels == "compiled")
+    assert [t.steps for t in traces] == list(calls)
+    assert [g.replays for g in graphs] == [1 + 1 + 1 + 1, 2]  # (3-1 eager first step)/2, 1, 9, 2
+    losses = np.concatenate([t.loss for t in traces])
+    ref_model, ref_opt, _ = make("perceptron", opt)
+    np.testing.assert_allclose(losses, reference_steps(ref_model, ref_opt, sum(calls)), rtol=1e-6, atol=1e-7)
+    assert_close_lists(params_of(model), params_of(ref_model))
+    assert_same_state(state_of(optimizer), state_of(ref_opt))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CUDA-graph path)")
-@pytest.mark.parametrize("opt", ["sgd_momentum", "adam"])
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
 def test_cuda_graph_matches_torch_reference(opt):
     model, optimizer, loss_fn = make("mlp", opt)
     model.cuda()
     cls, kw = OPTIMIZERS[opt]
     optimizer = cls(model.parameters(), **kw)
-    fit = sf.fuse(loss_fn, optimizer, steps=4, chunk=2)
-    losses = np.concatenate([fit(X.cuda(), Y.cuda(), steps=n).loss for n in CALLS])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no silent fallback
+        fit = sf.fuse(loss_fn, optimizer, steps=9, chunk=2)
+        calls = (3, 1, 9, 2)  # 9 steps: more chunks than one long replay holds
+        traces = [fit(X.cuda(), Y.cuda(), steps=n) for n in calls]
+    assert fit.mode == "fused", fit.fallback_reason
+    assert fit._program.fused_kernels, fit._program.compile_error
+    assert [t.steps for t in traces] == list(calls)
+    losses = np.concatenate([t.loss for t in traces])
     ref = mlp().cuda()
-    ref_losses = reference_steps(ref, cls(ref.parameters(), **kw), sum(CALLS), X.cuda(), Y.cuda())
+    ref_opt = cls(ref.parameters(), **kw)
+    ref_losses = reference_steps(ref, ref_opt, sum(calls), X.cuda(), Y.cuda())
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert_same_state(state_of(optimizer), state_of(ref_opt), rtol=1e-5, atol=1e-6)
     assert fit.compiles == 1

@@ -109,7 +109,7 @@ def state_of(optimizer):
 def assert_close_lists(a, b, rtol=RTOL, atol=ATOL):
     assert len(a) == len(b)
     for u, v in zip(a, b):
-        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=atol)
+        np.testing.assert_allclose(_host(u), _host(v), rtol=rtol, atol=atol)
 
 
 def assert_same_state(s1, s2, rtol=RTOL, atol=ATOL):
@@ -120,8 +120,12 @@ def assert_same_state(s1, s2, rtol=RTOL, atol=ATOL):
             if d1[k] is None or d2[k] is None:
                 assert d1[k] is None and d2[k] is None
                 continue
-            np.testing.assert_allclose(np.asarray(d1[k]), np.asarray(d2[k]), rtol=rtol, atol=atol,
+            np.testing.assert_allclose(_host(d1[k]), _host(d2[k]), rtol=rtol, atol=atol,
                                        err_msg=f"state[{k!r}]")
+
+
+def _host(v):
+    return v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
 
 
 def reset(model_name, model, optimizer):

@@ -10,8 +10,13 @@ evaluates loss and gradients at the current parameters (``torch.func.grad_and_va
 over ``torch.func.functional_call``), proposes the update with the optimizer's own
 single-tensor update function (``torch.optim.adam.adam`` & co.) on copies, and keeps
 it only if everything is finite. The loop bound is a tensor, so any ``steps`` runs on
-the same program: compile time does not grow with ``steps``. On CUDA the same chunk is
-captured once in a CUDA graph and replayed (static buffers for the batch).
+the same program: compile time does not grow with ``steps``. On CUDA the chunk (with
+torch's capturable update rules) is compiled by inductor without the loop and captured
+twice in CUDA graphs, once and ``_GRAPH_CHUNKS`` times in a row, over static buffers for
+the batch, parameters and state; a call replays them (one replay of the long graph = 32
+steps by default), then reads the stop code once per segment. Where inductor cannot
+compile the model, the eager chunk is captured instead (correct, ~7x slower a step on the
+seed: `benchmarks/gpu_check.py`).
 
 ``mode="stepwise"`` runs the identical semantics with eager ``loss.backward();
 optimizer.step()`` through `stepfuse._loop.run_stepwise` (the reference); it is also
@@ -42,6 +47,7 @@ __all__ = ["fuse", "FusedFit", "BatchError", "SUPPORTED_OPTIMIZERS"]
 _MODES = ("fused", "stepwise")
 _DEFAULT_CHUNK = 4  # steps per while_loop iteration (compile cost grows with it; see benchmarks)
 _SEGMENT = 512  # at most this many steps per program call (see FusedFit._cap)
+_GRAPH_CHUNKS = 8  # CUDA: chunks per replay of the long graph (a short one replays one chunk)
 _INDUCTOR_OPTIONS: Dict[str, Any] = {"cpp_wrapper": True}
 """Inductor options of the fused program: the C++ wrapper runs the loop without Python."""
 
@@ -117,7 +123,7 @@ def _adagrad_update(p, gr, s, g, capturable):
             maximize=g["maximize"])
 
 
-# class -> (state keys of a group, update, works inside a CUDA graph)
+# class -> (state keys of a group, update, its eager (capturable) form works inside a CUDA graph)
 _RULES: Dict[type, Tuple[Callable, Callable, bool]] = {
     torch.optim.SGD: (_sgd_keys, _sgd_update, True),
     torch.optim.Adam: (_adam_keys, _adam_update, True),
@@ -235,6 +241,29 @@ def _interrupt_inside(error: BaseException) -> Optional[BaseException]:
     return None
 
 
+def _cuda_graphs(chunk: Callable[[], None], dev, sizes: Sequence[int]) -> list:
+    """One CUDA graph per ``k`` in ``sizes``, each replaying ``chunk()`` ``k`` times.
+
+    ``chunk`` runs three times first on a side stream (torch's recipe: compiles,
+    autotuning and the allocator's growth happen there, outside any capture); it must
+    change nothing while its static step count is zero.
+    """
+    side = torch.cuda.Stream(device=dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            chunk()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graphs = []
+    for k in sizes:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(k):
+                chunk()
+        graphs.append(graph)
+    return graphs
+
+
 class BatchError(ValueError, RuntimeError):
     """The batch does not fit ``loss_fn`` (torch's own error is its ``__cause__``).
 
@@ -275,13 +304,14 @@ def _make_body(wrapper, names, update, info, K, re, tol, P, capturable, n, i0, b
                 st = {}
                 for k in keys:
                     st[k] = new_s[j:j + m]
-                    if k == "step" and not capturable:
-                        # Eager torch reads `step` as a Python float (double): do the same
-                        # bias-correction math in float64 instead of float32.
+                    if k == "step":
+                        # Eager torch reads `step` as a Python float (double): do the
+                        # bias-correction math in float64 too (the capturable rules on CUDA
+                        # included; in float32 they drift ~2e-6 from eager Adam in 15 steps).
                         st[k] = [t.double() for t in st[k]]
                     j += m
                 update(new_p[sl], list(grads[sl]), st, h, capturable)
-                if "step" in st and not capturable:
+                if "step" in st:
                     at = j - m * (len(keys) - list(keys).index("step"))
                     for q, t in enumerate(st["step"]):
                         new_s[at + q] = t.to(new_s[at + q].dtype)
@@ -317,8 +347,9 @@ class FusedFit:
     Attributes:
       mode: ``"fused"`` or ``"stepwise"`` (the mode actually used: a fused fit that
         had to fall back reports ``"stepwise"`` and ``fallback_reason`` says why).
-      compiles: how many programs were compiled so far (graph compilations or CUDA-graph
-        captures). One compile serves every ``steps`` and every batch of the same shapes.
+      compiles: how many programs were compiled so far (inductor compilations; on CUDA,
+        one per build of the captured graphs). One compile serves every ``steps`` and
+        every batch of the same shapes.
       step: updates applied since `fuse`.
     """
 
@@ -462,40 +493,72 @@ class FusedFit:
         t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
         return self._program(t(n), t(i0), t(-(-i0 // re)), prev, nslots, params, states, tuple(batch))
 
-    # -- CUDA graph (static buffers, one capture of one chunk, replayed) --------------------
+    # -- CUDA graph (static buffers, a compiled chunk captured once, replayed) ------------
+
+    def _compile_chunk(self, make):
+        """The chunk of ``chunk`` masked steps compiled by inductor, updating the carry in place."""
+        counter = self
+
+        def run_chunk(n, i0, base, batch, *carry):
+            outs = make(n, i0, base, batch)(*carry)
+            for dst, src in zip(carry, outs):
+                dst.copy_(src)
+
+        code = run_chunk.__code__.replace(co_name=f"stepfuse_chunk_{id(self):x}")
+        run_chunk = types.FunctionType(code, run_chunk.__globals__, code.co_name,
+                                       run_chunk.__defaults__, run_chunk.__closure__)
+
+        def backend(gm, example_inputs):
+            from torch._inductor.compile_fx import compile_fx
+
+            counter.compiles += 1
+            return compile_fx(gm, example_inputs)
+
+        return torch.compile(run_chunk, backend=backend, fullgraph=True, dynamic=False)
 
     def _build_cuda_graph(self, params, states, batch, prev):
+        """Static buffers and two CUDA graphs of the chunk: one chunk, and ``_GRAPH_CHUNKS``
+        chunks in a row (one replay = that many steps). The chunk is compiled by inductor
+        (few fused kernels a step); where that fails, the eager chunk is captured instead
+        (``fused_kernels`` says which)."""
         dev = params[0].device
         re = self.opts.record_every
         nslots = -(-self._cap // re) + 2
         i64 = lambda: torch.zeros((), dtype=torch.int64, device=dev)  # noqa: E731
         s = types.SimpleNamespace()
         s.n, s.i0, s.base = i64(), i64(), i64()
-        s.batch = [b.detach().clone() if isinstance(b, torch.Tensor) else b for b in batch]
+        s.batch = tuple(b.detach().clone() if isinstance(b, torch.Tensor) else b for b in batch)
         s.carry = [i64(), torch.zeros((), dtype=torch.int32, device=dev), i64(),
                    prev.detach().clone(), prev.detach().clone(),
                    torch.full((nslots,), math.nan, dtype=prev.dtype, device=dev),
                    *[p.detach().clone() for p in params],
                    *[v.detach().to(dev).clone() for v in states]]
         s.state_cpu = [v.device.type == "cpu" for v in states]
-        body = self._body_maker(capturable=True)(s.n, s.i0, s.base, s.batch)
+        # torch's capturable update rules: `step` lives on the device (dynamo also refuses
+        # to trace the non-capturable ones with CUDA steps).
+        make = self._body_maker(capturable=True)
+        s.n.fill_(0)  # warm-up runs change nothing
+        try:
+            compiled = self._compile_chunk(make)
 
-        def chunk():
-            outs = body(*s.carry)
-            for dst, src in zip(s.carry, outs):
-                dst.copy_(src)
+            def chunk():
+                compiled(s.n, s.i0, s.base, s.batch, *s.carry)
 
-        s.n.fill_(0)  # warm-up replays change nothing
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                chunk()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        s.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(s.graph):
-            chunk()
-        self.compiles += 1
+            s.graphs = _cuda_graphs(chunk, dev, (1, _GRAPH_CHUNKS))
+            s.fused_kernels, s.compile_error = True, None
+        except Exception as e:  # noqa: BLE001 - inductor cannot take this model: capture eagerly
+            if _interrupt_inside(e) is not None or not self._rule[2]:
+                raise
+            body = make(s.n, s.i0, s.base, s.batch)
+
+            def chunk():
+                outs = body(*s.carry)
+                for dst, src in zip(s.carry, outs):
+                    dst.copy_(src)
+
+            s.graphs = _cuda_graphs(chunk, dev, (1, _GRAPH_CHUNKS))
+            s.fused_kernels, s.compile_error = False, f"{type(e).__name__}: {e}"[:2000]
+            self.compiles += 1
         return s
 
     def _run_cuda_graph(self, n, i0, prev, params, states, batch):
@@ -509,13 +572,16 @@ class FusedFit:
         s.n.fill_(n)
         s.i0.fill_(i0)
         s.base.fill_(-(-i0 // re))
-        for k in (0, 2):
+        for k in (0, 1, 2):
             s.carry[k].zero_()
-        s.carry[1].zero_()
         s.carry[3].copy_(prev)
         s.carry[5].fill_(math.nan)
-        for _ in range(-(-n // self.chunk)):
-            s.graph.replay()
+        one, many = s.graphs
+        chunks = -(-n // self.chunk)
+        for _ in range(chunks // _GRAPH_CHUNKS):
+            many.replay()
+        for _ in range(chunks % _GRAPH_CHUNKS):
+            one.replay()
         out = list(s.carry)
         out[6 + P:] = [v.to("cpu") if cpu else v for v, cpu in zip(out[6 + P:], s.state_cpu)]
         return out
@@ -610,8 +676,7 @@ class FusedFit:
 
     @property
     def _cuda(self) -> bool:
-        return (torch.cuda.is_available() and self._params[0].is_cuda
-                and self._rule is not None and self._rule[2])
+        return torch.cuda.is_available() and self._params[0].is_cuda and self._rule is not None
 
     def __call__(self, *batch, steps=None) -> Trace:
         """Run ``steps`` (default: the ``steps`` given to `fuse`) updates on ``batch``.
@@ -772,7 +837,9 @@ def fuse(
         compiled program (fixed, whatever ``steps`` is). Compile time grows with it and
         per-step overhead shrinks: on the seed problem on CPU, ``chunk=1`` (a single copy)
         ran at 15.1 us/step and compiled in 9.7 s, ``chunk=4`` at 9.8 us/step in 4.2 s
-        (warm compile cache). Default {chunk}.
+        (warm compile cache). On an H200, ``chunk=8`` ran the seed as fast as
+        ``chunk=4`` (12.4 against 12.7 us/step), since the CUDA graphs replay many
+        chunks at once. Default {chunk}.
 
     Returns:
       A `FusedFit`; ``trace = fit(*batch, steps=None)``.
