@@ -344,6 +344,17 @@ def test_graph_path_static_buffers_and_replays_match_reference_on_cpu(monkeypatc
     np.testing.assert_allclose(losses, reference_steps(ref_model, ref_opt, sum(calls)), rtol=1e-6, atol=1e-7)
     assert_close_lists(params_of(model), params_of(ref_model))
     assert_same_state(state_of(optimizer), state_of(ref_opt))
+    # a batch of another shape: new static buffers, a new program; back to the first
+    # shape, the first program again (kept, not recaptured)
+    half = (X[:25], Y[:25])
+    np.testing.assert_allclose(fit(*half, steps=3).loss, reference_steps(ref_model, ref_opt, 3, *half),
+                               rtol=1e-6, atol=1e-7)
+    assert fit.compiles == 2
+    np.testing.assert_allclose(fit(X, Y, steps=2).loss, reference_steps(ref_model, ref_opt, 2),
+                               rtol=1e-6, atol=1e-7)
+    assert fit.compiles == 2
+    assert_close_lists(params_of(model), params_of(ref_model))
+    assert_same_state(state_of(optimizer), state_of(ref_opt))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CUDA-graph path)")

@@ -26,6 +26,7 @@ model or optimizer.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import inspect
@@ -48,6 +49,7 @@ _MODES = ("fused", "stepwise")
 _DEFAULT_CHUNK = 4  # steps per while_loop iteration (compile cost grows with it; see benchmarks)
 _SEGMENT = 512  # at most this many steps per program call (see FusedFit._cap)
 _GRAPH_CHUNKS = 8  # CUDA: chunks per replay of the long graph (a short one replays one chunk)
+_GRAPH_CACHE = 4  # CUDA: captured programs kept (per batch shapes and hyper-parameters)
 _INDUCTOR_OPTIONS: Dict[str, Any] = {"cpp_wrapper": True}
 """Inductor options of the fused program: the C++ wrapper runs the loop without Python."""
 
@@ -367,6 +369,7 @@ class FusedFit:
         self._loss_dtype = torch.float32
         self._program = None
         self._program_key = None
+        self._captured: "collections.OrderedDict[tuple, Any]" = collections.OrderedDict()
         self._wrapper = None
         self._names: List[str] = []
         self._rule = _RULES.get(type(optimizer))
@@ -642,14 +645,19 @@ class FusedFit:
         """Build (compile / capture) the fused program if needed; may fall back to stepwise.
 
         The compiled program is rebuilt when a group's hyper-parameters change (they are
-        baked in); new batch shapes recompile through dynamo's own guards. A CUDA graph is
-        recaptured for new batch shapes.
+        baked in); new batch shapes recompile through dynamo's own guards. CUDA graphs are
+        captured per batch shapes and hyper-parameters, and the last `_GRAPH_CACHE` of
+        them are kept (a smaller last batch of an epoch does not recapture every epoch).
         """
         key = tuple(tuple(sorted(h.items())) for h in map(_hyper, self.optimizer.param_groups))
         if self._cuda:
             key += tuple((tuple(b.shape), b.dtype) if isinstance(b, torch.Tensor) else repr(b)
                          for b in batch)
         if self._program is not None and self._program_key == key:
+            return
+        if self._cuda and key in self._captured:
+            self._captured.move_to_end(key)
+            self._program, self._program_key = self._captured[key], key
             return
         params = [p.detach() for p in self._params]
         states = self._state_tensors(placeholder=True)
@@ -673,6 +681,10 @@ class FusedFit:
                             "silence this warning.")
             return
         self._program_key = key
+        if self._cuda:
+            self._captured[key] = self._program
+            while len(self._captured) > _GRAPH_CACHE:
+                self._captured.popitem(last=False)
 
     @property
     def _cuda(self) -> bool:
