@@ -122,8 +122,8 @@ def test_one_compile_serves_every_steps_and_new_batch_values(sgd_fit):
     assert fit.compiles == before == 1
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU (the CUDA-graph path)"))]
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CUDA-graph path)")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 TOL = {"cpu": dict(rtol=1e-6, atol=1e-7), "cuda": dict(rtol=1e-5, atol=1e-6)}
 """Fused against eager on one device: float32 on the CPU; on CUDA inductor's fused kernels
 and torch's capturable update rules round differently from the eager kernels."""
@@ -322,9 +322,9 @@ def test_graph_path_static_buffers_and_replays_match_reference_on_cpu(monkeypatc
     monkeypatch.setattr(sf, "_GRAPH_CHUNKS", 2)
     monkeypatch.setattr(sf.FusedFit, "_cuda", property(lambda self: True))
     if kernels == "eager":
-        def no_compile(self, make):
+        def no_compile(self, fn, kind, inductor_options):
             raise RuntimeError("inductor cannot take it")
-        monkeypatch.setattr(sf.FusedFit, "_compile_chunk", no_compile)
+        monkeypatch.setattr(sf.FusedFit, "_compile", no_compile)
         # the eager capturable Adam refuses CPU tensors: SGD with momentum stands in
         opt = "sgd_momentum"
     else:
@@ -357,7 +357,7 @@ def test_graph_path_static_buffers_and_replays_match_reference_on_cpu(monkeypatc
     assert_same_state(state_of(optimizer), state_of(ref_opt))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CUDA-graph path)")
+@CUDA
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
 def test_cuda_graph_matches_torch_reference(opt):
     model, optimizer, loss_fn = make("mlp", opt)

@@ -458,9 +458,26 @@ class FusedFit:
                 self.opts.record_every, self.opts.tol, len(self._params), capturable)
         return lambda n, i0, base, batch: _make_body(*args, n, i0, base, batch)
 
+    def _compile(self, fn, kind: str, inductor_options: Dict[str, Any]):
+        """``torch.compile`` of ``fn`` (whole graph, static shapes) with inductor, counting
+        each compilation in `compiles`."""
+        counter = self
+        # One code object per fit, so dynamo's per-code cache never mixes fits.
+        code = fn.__code__.replace(co_name=f"stepfuse_{kind}_{id(self):x}")
+        fn = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+        def backend(gm, example_inputs):
+            from torch._inductor import config
+            from torch._inductor.compile_fx import compile_fx
+
+            counter.compiles += 1
+            with config.patch(inductor_options):
+                return compile_fx(gm, example_inputs)
+
+        return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+
     def _build_compiled(self):
         make = self._body_maker(capturable=False)
-        counter = self
 
         def program(n, i0, base, prev, nslots, params, states, batch):
             from torch._higher_order_ops.while_loop import while_loop
@@ -474,20 +491,7 @@ class FusedFit:
                        prev.clone(), losses, *params, *states)
             return while_loop(lambda i, stop, *rest: (i < n) & (stop == 0), body, carried)
 
-        # One code object per fit, so dynamo's per-code cache never mixes fits.
-        code = program.__code__.replace(co_name=f"stepfuse_program_{id(self):x}")
-        program = types.FunctionType(code, program.__globals__, code.co_name,
-                                     program.__defaults__, program.__closure__)
-
-        def backend(gm, example_inputs):
-            from torch._inductor import config
-            from torch._inductor.compile_fx import compile_fx
-
-            counter.compiles += 1
-            with config.patch(_INDUCTOR_OPTIONS):
-                return compile_fx(gm, example_inputs)
-
-        return torch.compile(program, backend=backend, fullgraph=True, dynamic=False)
+        return self._compile(program, "program", _INDUCTOR_OPTIONS)
 
     def _run_compiled(self, n, i0, prev, params, states, batch):
         re = self.opts.record_every
@@ -497,27 +501,6 @@ class FusedFit:
         return self._program(t(n), t(i0), t(-(-i0 // re)), prev, nslots, params, states, tuple(batch))
 
     # -- CUDA graph (static buffers, a compiled chunk captured once, replayed) ------------
-
-    def _compile_chunk(self, make):
-        """The chunk of ``chunk`` masked steps compiled by inductor, updating the carry in place."""
-        counter = self
-
-        def run_chunk(n, i0, base, batch, *carry):
-            outs = make(n, i0, base, batch)(*carry)
-            for dst, src in zip(carry, outs):
-                dst.copy_(src)
-
-        code = run_chunk.__code__.replace(co_name=f"stepfuse_chunk_{id(self):x}")
-        run_chunk = types.FunctionType(code, run_chunk.__globals__, code.co_name,
-                                       run_chunk.__defaults__, run_chunk.__closure__)
-
-        def backend(gm, example_inputs):
-            from torch._inductor.compile_fx import compile_fx
-
-            counter.compiles += 1
-            return compile_fx(gm, example_inputs)
-
-        return torch.compile(run_chunk, backend=backend, fullgraph=True, dynamic=False)
 
     def _build_cuda_graph(self, params, states, batch, prev):
         """Static buffers and two CUDA graphs of the chunk: one chunk, and ``_GRAPH_CHUNKS``
@@ -540,26 +523,21 @@ class FusedFit:
         # torch's capturable update rules: `step` lives on the device (dynamo also refuses
         # to trace the non-capturable ones with CUDA steps).
         make = self._body_maker(capturable=True)
+
+        def run_chunk(n, i0, base, batch, *carry):  # the chunk, updating the carry in place
+            for dst, src in zip(carry, make(n, i0, base, batch)(*carry)):
+                dst.copy_(src)
+
+        args = (s.n, s.i0, s.base, s.batch, *s.carry)
         s.n.fill_(0)  # warm-up runs change nothing
         try:
-            compiled = self._compile_chunk(make)
-
-            def chunk():
-                compiled(s.n, s.i0, s.base, s.batch, *s.carry)
-
-            s.graphs = _cuda_graphs(chunk, dev, (1, _GRAPH_CHUNKS))
+            compiled = self._compile(run_chunk, "chunk", {})
+            s.graphs = _cuda_graphs(lambda: compiled(*args), dev, (1, _GRAPH_CHUNKS))
             s.fused_kernels, s.compile_error = True, None
         except Exception as e:  # noqa: BLE001 - inductor cannot take this model: capture eagerly
             if _interrupt_inside(e) is not None or not self._rule[2]:
                 raise
-            body = make(s.n, s.i0, s.base, s.batch)
-
-            def chunk():
-                outs = body(*s.carry)
-                for dst, src in zip(s.carry, outs):
-                    dst.copy_(src)
-
-            s.graphs = _cuda_graphs(chunk, dev, (1, _GRAPH_CHUNKS))
+            s.graphs = _cuda_graphs(lambda: run_chunk(*args), dev, (1, _GRAPH_CHUNKS))
             s.fused_kernels, s.compile_error = False, f"{type(e).__name__}: {e}"[:2000]
             self.compiles += 1
         return s
