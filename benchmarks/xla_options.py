@@ -4,7 +4,7 @@ Times one hand-written `lax.fori_loop` of optax SGD steps (gradient only) per mo
 compiled twice in this one process: with JAX's defaults and with the given options (what
 ``stepfuse.jax.fuse(..., compiler_options=...)`` passes to its ``jax.jit``). Prints
 microseconds per step and the ratio (< 1: the option is faster). Models are tanh MLPs
-(no hidden layer: a linear model) with softmax cross-entropy on random data.
+(no hidden layer: a linear model) with softmax cross-entropy on `stepfuse.problems` data.
 
     python benchmarks/xla_options.py [--option xla_cpu_experimental_ynn_fusion_type=] [--steps 300]
 """
@@ -15,24 +15,21 @@ import argparse
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from stepfuse.bench._timing import interleaved_best
 from stepfuse.bench.jax import fori_loops, optax_steps
+from stepfuse.problems import blobs, mlp_init
 
-# (layer widths, points): linear models first, then MLPs; the seed's perceptron is the first.
+# (layer widths, points): linear models first, then MLPs; the first is the seed's shape and data.
 SHAPES = [((2, 2), 50), ((2, 2), 10_000), ((10, 10), 1_000), ((784, 10), 256),
           ((2, 16, 2), 50), ((8, 8, 2), 1_000), ((32, 32, 10), 256), ((2, 64, 64, 2), 1_024)]
 
 
-def model(widths, points, seed=0):
-    rng = np.random.default_rng(seed)
-    x = jnp.asarray(rng.normal(size=(points, widths[0])).astype(np.float32))
-    y = jnp.asarray(rng.integers(0, widths[-1], points).astype(np.int32))
-    params = [{"kernel": jnp.asarray(rng.normal(size=(a, b)).astype(np.float32) * 0.1),
-               "bias": jnp.zeros(b, jnp.float32)} for a, b in zip(widths[:-1], widths[1:])]
-    return params, (x, y)
+def model(widths, points):
+    """Parameters and a batch from `stepfuse.problems`: blobs, Glorot-initialised layers."""
+    x, y = blobs(points, features=widths[0], classes=widths[-1])
+    return jax.tree_util.tree_map(jnp.asarray, mlp_init(widths)), (jnp.asarray(x), jnp.asarray(y))
 
 
 def main(argv=None):
