@@ -2,12 +2,10 @@
 names the argument (or, for a callback, the callback's own error) and leaves the
 caller's state untouched.
 
-Two inputs are not refused today and are documented by their own tests below:
+Two inputs have tests of their own below:
 
-* a ``loss_fn`` that does not depend on ``params``: JAX gives zero gradients, so the
-  fit silently does nothing (constant losses; with ``tol`` it stops with ``Stop.TOL``
-  after two steps). ``params_used`` below shows it can be detected from the jaxpr
-  before anything runs (proposed for ``stepfuse/jax.py``'s ``_Loss``);
+* a ``loss_fn`` that does not depend on ``params`` (JAX would give zero gradients and the
+  fit would silently do nothing): refused before anything runs, detected from its jaxpr;
 * a batch whose shapes do not fit ``loss_fn``: JAX's own error surfaces (a
   TypeError/ValueError naming the shapes), raised while tracing, before any step.
 """
@@ -133,6 +131,17 @@ CASES = [
     ("params empty", lambda: build().init({}), ValueError, "`params`.*at least one"),
     ("params None", lambda: build().init(None), ValueError, "`params`"),
     ("state not a FitState", lambda: build()(perceptron_init(), X, Y), TypeError, "`state`.*fit.init"),
+    # -- a state of another optimizer or model: it would have run (sgd ignores adam's state)
+    *[(f"state of another optimizer, {mode}",
+       (lambda mode=mode: build(mode=mode)(sf.fuse(perceptron_loss, optax.adam(0.1), steps=3)
+                                           .init(perceptron_init()), X, Y)),
+       TypeError, r"`state.opt_state` is not a state of this fit's optimizer.*ScaleByAdamState.*fit.init")
+      for mode in ("fused", "stepwise")],
+    ("state whose params changed shape",
+     lambda: (lambda fit: fit(fit.init(perceptron_init())._replace(params={
+         "kernel": jnp.ones((3, 2)), "bias": jnp.zeros(2)}), np.ones((50, 3), np.float32), Y))(
+         sf.fuse(perceptron_loss, optax.sgd(0.1, momentum=0.9), steps=3)),
+     ValueError, r"`state.opt_state\[0\].trace\['kernel'\]` has shape \(2, 2\).*\(3, 2\)"),
     # -- callbacks that raise: their own error reaches the caller
     ("callback raises", lambda: call(build(callback=raising_callback, every=2)), RuntimeError,
      "callback failed at step 2"),

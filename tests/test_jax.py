@@ -34,6 +34,11 @@ OPTIMIZERS = {
     "adamw": lambda: optax.adamw(0.01, weight_decay=0.1),
     "adam_cosine_schedule": lambda: optax.adam(optax.cosine_decay_schedule(0.02, 40)),
     "sgd_exponential_schedule": lambda: optax.sgd(optax.exponential_decay(0.1, 5, 0.7)),
+    # optax's GradientTransformationExtraArgs that read the loss (and lbfgs: re-evaluate it)
+    "lbfgs": lambda: optax.lbfgs(),
+    "adam_reduce_on_plateau": lambda: optax.chain(
+        optax.adam(0.05), optax.contrib.reduce_on_plateau(factor=0.5, patience=1, rtol=0.2)),
+    "polyak_sgd": lambda: optax.polyak_sgd(max_learning_rate=0.5),
 }
 
 
@@ -51,7 +56,10 @@ def optax_stepwise(loss_fn, optimizer, params, n, *batch):
 
 def _one(loss_fn, optimizer, params, opt_state, *batch):
     loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
+    extra = {}
+    if isinstance(optimizer, optax.GradientTransformationExtraArgs):  # as optax's docs call lbfgs
+        extra = dict(value=loss, grad=grads, value_fn=lambda p: loss_fn(p, *batch))
+    updates, opt_state = optimizer.update(grads, opt_state, params, **extra)
     return loss, optax.apply_updates(params, updates), opt_state
 
 
@@ -77,7 +85,7 @@ def test_fused_calls_equal_optax_stepwise_loop(problem, opt_name):
     assert int(state.step) == sum(calls)
 
 
-@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adam"])
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adam", "lbfgs"])
 def test_stepwise_mode_equals_fused_mode(opt_name):
     runs = []
     for mode in ("fused", "stepwise"):

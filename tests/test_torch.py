@@ -280,6 +280,37 @@ def test_unsupported_optimizer_falls_back_to_stepwise_with_a_warning():
                                rtol=1e-6)
 
 
+def test_lbfgs_step_gets_a_closure_and_equals_torchs_own_closure_loop():
+    """LBFGS re-evaluates the loss inside ``step(closure)``: it runs stepwise (with the
+    fallback warning), and c calls equal torch's own loop of ``opt.step(closure)``."""
+    def build():
+        model = mlp()
+        return model, torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5, history_size=4)
+
+    model, optimizer = build()
+    with pytest.warns(RuntimeWarning, match="LBFGS"):
+        fit = sf.fuse(lambda x, y: torch.nn.functional.cross_entropy(model(x), y), optimizer, steps=4)
+    losses, traces = run_calls(fit)
+    assert [t.steps for t in traces] == list(CALLS) and fit.step == sum(CALLS)
+
+    ref_model, ref_opt = build()
+
+    def closure():
+        ref_opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(ref_model(X), Y)
+        loss.backward()
+        return loss
+
+    ref_losses = [ref_opt.step(closure).item() for _ in range(sum(CALLS))]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6, atol=1e-7)
+    assert_close_lists(params_of(model), params_of(ref_model))
+    mine = optimizer.state[next(model.parameters())]  # LBFGS keeps its state on the first param
+    ref = ref_opt.state[next(ref_model.parameters())]
+    assert mine["n_iter"] == ref["n_iter"] > sum(CALLS)  # several inner iterations a step
+    assert_close_lists([mine["d"], mine["prev_flat_grad"], *mine["old_dirs"]],
+                       [ref["d"], ref["prev_flat_grad"], *ref["old_dirs"]])
+
+
 def test_loss_without_a_module_falls_back_and_names_model():
     w = torch.ones(2, 2, requires_grad=True)
     optimizer = torch.optim.SGD([w], lr=0.01)

@@ -83,6 +83,31 @@ def _check_params(params: Any, name: str = "params") -> None:
             )
 
 
+def _check_opt_state(optimizer, params, opt_state) -> None:
+    """Raise if ``opt_state`` has not the structure and shapes that ``optimizer.init(params)``
+    gives (a state from another optimizer or model: it would fail deep inside optax, or
+    worse, run). Checked while tracing, so a call pays nothing for it."""
+    spec = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params)
+    want = jax.eval_shape(optimizer.init, spec)
+    fix = ("Pass the state this fit's init(params) made or its calls returned; after changing "
+           "the optimizer or the model, start again from fit.init(params).")
+    want_tree, got_tree = jax.tree_util.tree_structure(want), jax.tree_util.tree_structure(opt_state)
+    if want_tree != got_tree:
+        raise TypeError(
+            f"`state.opt_state` is not a state of this fit's optimizer for these params: it is "
+            f"{_short(got_tree)}, where optimizer.init(params) gives {_short(want_tree)}. {fix}")
+    for (path, got), w in zip(_leaves_with_paths(opt_state), jax.tree_util.tree_leaves(want)):
+        if np.shape(got) != w.shape:
+            raise ValueError(
+                f"`state.opt_state{jax.tree_util.keystr(path)}` has shape {np.shape(got)}, where "
+                f"optimizer.init(params) gives {w.shape} (the params' shapes changed?). {fix}")
+
+
+def _short(tree, limit: int = 400) -> str:
+    text = str(tree)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 _SMALL = 1 << 14  # elements: below this the NaN/inf check copies the leaves into one array
 
 
@@ -104,6 +129,17 @@ def _all_finite(tree) -> jax.Array:
     if flat.size <= _SMALL:
         flat = jax.lax.optimization_barrier(flat)
     return jnp.isfinite(jnp.sum(flat * 0))
+
+
+def _extra_args(optimizer, loss, value, grads, batch) -> Dict[str, Any]:
+    """The keyword arguments optax's ``GradientTransformationExtraArgs`` may read in
+    ``update``: the loss ``value`` and gradient ``grad`` at ``params`` (reduce_on_plateau,
+    polyak_sgd) and ``value_fn(params)``, the loss on this call's batch (lbfgs and the line
+    searches). Transformations that read none of them drop them, so nothing changes for
+    the others; a plain ``GradientTransformation`` gets none."""
+    if not isinstance(optimizer, optax.GradientTransformationExtraArgs):
+        return {}
+    return {"value": value, "grad": grads, "value_fn": lambda p: loss(p, *batch)[0]}
 
 
 def _select(pred, on_true, on_false):
@@ -338,9 +374,11 @@ class Fit:
             self._callback_error = e
 
     def _propose(self, params, opt_state, batch, loss: Optional[_Loss] = None):
+        _check_opt_state(self.optimizer, params, opt_state)
         loss = loss or _Loss(self.loss_fn, self.has_aux, params, batch)
         (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(params, *batch)
-        updates, new_opt = self.optimizer.update(grads, opt_state, params)
+        updates, new_opt = self.optimizer.update(grads, opt_state, params,
+                                                 **_extra_args(self.optimizer, loss, value, grads, batch))
         new_params = optax.apply_updates(params, updates)
         new_params = jax.tree_util.tree_map(lambda n, p: n.astype(p.dtype), new_params, params)
         finite = _all_finite((value, grads, new_params, new_opt))
@@ -504,7 +542,10 @@ def fuse(
     Args:
       loss_fn: ``loss_fn(params, *batch) -> scalar`` (or ``(scalar, aux)`` with
         ``has_aux=True``); a pure JAX function.
-      optimizer: any ``optax.GradientTransformation`` (schedules, ``chain`` ...).
+      optimizer: any ``optax.GradientTransformation`` (schedules, ``chain`` ...). A
+        ``GradientTransformationExtraArgs`` gets ``value`` (the loss), ``grad`` and
+        ``value_fn`` (the loss of params on this call's batch) at every step, as
+        ``optax.lbfgs``, ``optax.contrib.reduce_on_plateau`` and ``optax.polyak_sgd`` need.
     {options}
       has_aux: ``loss_fn`` returns ``(loss, aux)``; the call returns the aux of the
         last evaluated step as a third value.

@@ -373,6 +373,8 @@ class FusedFit:
         self._wrapper = None
         self._names: List[str] = []
         self._rule = _RULES.get(type(optimizer))
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+        self._needs_closure = closure is not None and closure.default is inspect.Parameter.empty
         if self.mode == "fused":
             reason = self._prepare_fused(model)
             if reason is not None:
@@ -706,20 +708,27 @@ class FusedFit:
 
     # stepwise: the optimizer's own step(), eagerly -------------------------------------------
 
-    def _propose(self, batch):
-        params, opt = self._params, self.optimizer
+    def _loss_and_grads(self, batch) -> torch.Tensor:
+        """The loss at the current parameters, their ``.grad`` set to its gradient."""
         with torch.enable_grad():
-            for p in params:
+            for p in self._params:
                 p.grad = None
             loss = self.loss_fn(*batch)
             loss.backward()
-        loss = loss.detach()
+        return loss.detach()
+
+    def _propose(self, batch):
+        params, opt = self._params, self.optimizer
+        loss = self._loss_and_grads(batch)
         finite = bool(torch.isfinite(loss)) and _all_finite(p.grad for p in params)
         if not finite:
             return loss.item(), False, None
         old_p = [p.detach().clone() for p in params]
         old_s = _snapshot(opt, params)
-        opt.step()
+        if self._needs_closure:  # e.g. LBFGS, which re-evaluates the loss within its step
+            opt.step(lambda: self._loss_and_grads(batch))
+        else:
+            opt.step()
         new_p = [p.detach().clone() for p in params]
         new_s = _snapshot(opt, params)
         finite = _all_finite(new_p) and _all_finite(v for d in new_s.values() for v in d.values())
