@@ -34,19 +34,33 @@ OPTIMIZERS = {
     "adamw": lambda: optax.adamw(0.01, weight_decay=0.1),
     "adam_cosine_schedule": lambda: optax.adam(optax.cosine_decay_schedule(0.02, 40)),
     "sgd_exponential_schedule": lambda: optax.sgd(optax.exponential_decay(0.1, 5, 0.7)),
-    # optax's GradientTransformationExtraArgs that read the loss (and lbfgs: re-evaluate it)
+    # optax's GradientTransformationExtraArgs that read the loss, re-evaluate it or its gradient
     "lbfgs": lambda: optax.lbfgs(),
     "adam_reduce_on_plateau": lambda: optax.chain(
         optax.adam(0.05), optax.contrib.reduce_on_plateau(factor=0.5, patience=1, rtol=0.2)),
     "polyak_sgd": lambda: optax.polyak_sgd(max_learning_rate=0.5),
+    "sgd_backtracking_linesearch": lambda: optax.chain(
+        optax.sgd(2.0), optax.scale_by_backtracking_linesearch(max_backtracking_steps=15)),
+    "sam": lambda: optax.contrib.sam(optax.sgd(0.1), optax.sgd(0.05), sync_period=3),
+    # a wrapper, not a GradientTransformation: accumulates 3 gradients per update
+    "multi_steps_adam": lambda: optax.MultiSteps(optax.adam(0.05), every_k_schedule=3),
+}
+# What the reference passes to `update` beyond (grads, state, params), as optax's docs call
+# each of them; stepfuse must give at least these, with these values.
+EXTRA_ARGS = {
+    "lbfgs": ("value", "grad", "value_fn"),
+    "adam_reduce_on_plateau": ("value",),
+    "polyak_sgd": ("value",),
+    "sgd_backtracking_linesearch": ("value", "grad", "value_fn"),
+    "sam": ("grad_fn",),
 }
 
 
-def optax_stepwise(loss_fn, optimizer, params, n, *batch):
+def optax_stepwise(loss_fn, optimizer, params, n, *batch, extra_args=()):
     """The reference: optax's own per-step loop, written the usual way."""
     params = jax.tree_util.tree_map(jnp.asarray, params)
     opt_state = optimizer.init(params)
-    step = jax.jit(lambda p, s: _one(loss_fn, optimizer, p, s, *batch))
+    step = jax.jit(lambda p, s: _one(loss_fn, optimizer, p, s, *batch, extra_args=extra_args))
     losses = []
     for _ in range(n):
         loss, params, opt_state = step(params, opt_state)
@@ -54,11 +68,11 @@ def optax_stepwise(loss_fn, optimizer, params, n, *batch):
     return params, opt_state, np.array(losses, np.float32)
 
 
-def _one(loss_fn, optimizer, params, opt_state, *batch):
+def _one(loss_fn, optimizer, params, opt_state, *batch, extra_args=()):
     loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
-    extra = {}
-    if isinstance(optimizer, optax.GradientTransformationExtraArgs):  # as optax's docs call lbfgs
-        extra = dict(value=loss, grad=grads, value_fn=lambda p: loss_fn(p, *batch))
+    extra = {"value": loss, "grad": grads, "value_fn": lambda p: loss_fn(p, *batch),
+             "grad_fn": lambda p, i: jax.grad(loss_fn)(p, *batch)}
+    extra = {k: extra[k] for k in extra_args}
     updates, opt_state = optimizer.update(grads, opt_state, params, **extra)
     return loss, optax.apply_updates(params, updates), opt_state
 
@@ -78,7 +92,8 @@ def test_fused_calls_equal_optax_stepwise_loop(problem, opt_name):
         state, trace = fit(state, X, Y, steps=n)
         assert trace.steps == n and trace.stop is Stop.STEPS and len(trace.loss) == n
         losses.extend(trace.loss)
-    params, opt_state, ref_losses = optax_stepwise(loss_fn, OPTIMIZERS[opt_name](), init(), sum(calls), X, Y)
+    params, opt_state, ref_losses = optax_stepwise(loss_fn, OPTIMIZERS[opt_name](), init(), sum(calls), X, Y,
+                                                   extra_args=EXTRA_ARGS.get(opt_name, ()))
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=ATOL)
     assert_trees_close(state.params, params)
     assert_trees_close(state.opt_state, opt_state)

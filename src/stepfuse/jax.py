@@ -134,12 +134,25 @@ def _all_finite(tree) -> jax.Array:
 def _extra_args(optimizer, loss, value, grads, batch) -> Dict[str, Any]:
     """The keyword arguments optax's ``GradientTransformationExtraArgs`` may read in
     ``update``: the loss ``value`` and gradient ``grad`` at ``params`` (reduce_on_plateau,
-    polyak_sgd) and ``value_fn(params)``, the loss on this call's batch (lbfgs and the line
-    searches). Transformations that read none of them drop them, so nothing changes for
-    the others; a plain ``GradientTransformation`` gets none."""
+    polyak_sgd), ``value_fn(params)``, the loss on this call's batch (lbfgs and the line
+    searches), and ``grad_fn(params, i)``, its gradient (sam). An update that takes
+    ``**extra_args`` gets the first three, optax's convention (its transformations drop
+    what they do not read; the backtracking line search hands any other one on to
+    ``value_fn``); one with named keywords gets those it names; a plain
+    ``GradientTransformation`` none."""
     if not isinstance(optimizer, optax.GradientTransformationExtraArgs):
         return {}
-    return {"value": value, "grad": grads, "value_fn": lambda p: loss(p, *batch)[0]}
+    on_batch = lambda p: loss(p, *batch)[0]  # noqa: E731
+    offered = {"value": value, "grad": grads, "value_fn": on_batch,
+               "grad_fn": lambda p, i: jax.grad(on_batch)(p)}
+    try:
+        accepted = list(inspect.signature(optimizer.update).parameters.values())
+    except (TypeError, ValueError):  # no signature to read
+        accepted = [inspect.Parameter("extra_args", inspect.Parameter.VAR_KEYWORD)]
+    names = {a.name for a in accepted}
+    if any(a.kind is inspect.Parameter.VAR_KEYWORD for a in accepted):
+        names |= {"value", "grad", "value_fn"}
+    return {k: v for k, v in offered.items() if k in names}
 
 
 def _select(pred, on_true, on_false):
@@ -545,7 +558,9 @@ def fuse(
       optimizer: any ``optax.GradientTransformation`` (schedules, ``chain`` ...). A
         ``GradientTransformationExtraArgs`` gets ``value`` (the loss), ``grad`` and
         ``value_fn`` (the loss of params on this call's batch) at every step, as
-        ``optax.lbfgs``, ``optax.contrib.reduce_on_plateau`` and ``optax.polyak_sgd`` need.
+        ``optax.lbfgs``, ``optax.contrib.reduce_on_plateau`` and ``optax.polyak_sgd`` need,
+        and ``grad_fn`` (``optax.contrib.sam``); an ``optax.MultiSteps`` is taken as its
+        ``gradient_transformation()``.
     {options}
       has_aux: ``loss_fn`` returns ``(loss, aux)``; the call returns the aux of the
         last evaluated step as a third value.
@@ -577,12 +592,14 @@ def fuse(
             f"`loss_fn` must be callable as loss_fn(params, *batch); got {loss_fn!r} "
             f"({type(loss_fn).__name__}). Pass the function that computes the loss."
         )
-    if not isinstance(optimizer, optax.GradientTransformation):
+    if not isinstance(optimizer, (optax.GradientTransformation, optax.MultiSteps)):
         raise TypeError(
             f"`optimizer` must be an optax.GradientTransformation; got {optimizer!r} "
             f"({type(optimizer).__module__}.{type(optimizer).__name__}). Pass e.g. optax.adam(1e-3); "
             "for Keras or torch.optim optimizers use stepfuse.tf or stepfuse.torch."
         )
+    if isinstance(optimizer, optax.MultiSteps):  # a wrapper that builds its transformation
+        optimizer = optimizer.gradient_transformation()
     for name, flag in (("has_aux", has_aux), ("differentiable", differentiable)):
         if not isinstance(flag, bool):
             raise TypeError(f"`{name}` must be True or False; got {flag!r}. Pass a bool.")
