@@ -185,6 +185,15 @@ def _restore(opt, params, snap) -> None:
                 cur[k] = v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
 
 
+def _needs_closure(optimizer) -> bool:
+    """Whether ``optimizer.step`` must be given a closure (LBFGS re-evaluates the loss)."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # no signature to read: call step() as usual
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
 def _all_finite(tensors) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors
                if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()))
@@ -373,8 +382,7 @@ class FusedFit:
         self._wrapper = None
         self._names: List[str] = []
         self._rule = _RULES.get(type(optimizer))
-        closure = inspect.signature(optimizer.step).parameters.get("closure")
-        self._needs_closure = closure is not None and closure.default is inspect.Parameter.empty
+        self._needs_closure = _needs_closure(optimizer)
         if self.mode == "fused":
             reason = self._prepare_fused(model)
             if reason is not None:
