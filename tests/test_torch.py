@@ -70,7 +70,8 @@ def sgd_fit():
     return model, optimizer, fit
 
 
-@pytest.mark.parametrize("opt", ["adam", "adamw", "rmsprop", "adagrad"])
+@pytest.mark.parametrize("opt", ["adam", "adamw", "rmsprop", "adagrad"]
+                         + [o for o in OPTIMIZERS if o == "adam_decoupled"])
 def test_fused_matches_torch_reference_perceptron(opt):
     fit = check_against_reference("perceptron", opt, fit_kwargs={"chunk": 2})
     assert fit.compiles == 1
@@ -309,6 +310,90 @@ def test_lbfgs_step_gets_a_closure_and_equals_torchs_own_closure_loop():
     assert mine["n_iter"] == ref["n_iter"] > sum(CALLS)  # several inner iterations a step
     assert_close_lists([mine["d"], mine["prev_flat_grad"], *mine["old_dirs"]],
                        [ref["d"], ref["prev_flat_grad"], *ref["old_dirs"]])
+
+
+def test_an_error_inside_step_leaves_parameters_and_state_as_before_the_step():
+    model = mlp()
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5)
+    calls = {"n": 0}
+
+    def flaky_loss(x, y):
+        calls["n"] += 1
+        if calls["n"] == 10:  # inside the second call's step, after some inner iterations
+            raise RuntimeError("data loader hiccup")
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    with pytest.warns(RuntimeWarning, match="LBFGS"):
+        fit = sf.fuse(flaky_loss, optimizer, steps=1)
+    fit(X, Y)
+    params, state = params_of(model), state_of(optimizer)
+    with pytest.raises(RuntimeError, match="hiccup"):
+        fit(X, Y)
+    assert fit.step == 1
+    assert_close_lists(params_of(model), params, rtol=0, atol=0)
+    first = lambda st: {k: v for k, v in st[0].items() if isinstance(v, (torch.Tensor, int))}  # noqa: E731
+    assert_same_state([first(state_of(optimizer))], [first(state)], rtol=0, atol=0)
+
+
+def test_probe_changes_neither_batchnorm_statistics_nor_the_random_state():
+    """The batch check runs loss_fn once before the first call's steps; it must leave no
+    trace: the buffers and the dropout masks equal those of the plain loop."""
+    def build():
+        torch.manual_seed(3)
+        model = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.3),
+                                    torch.nn.Linear(8, 2))
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    model, optimizer = build()
+    fit = sf.fuse(lambda x, y: torch.nn.functional.cross_entropy(model(x), y), optimizer, steps=3,
+                  mode="stepwise")
+    torch.manual_seed(7)
+    losses = fit(X, Y).loss
+    ref_model, ref_opt = build()
+    torch.manual_seed(7)
+    np.testing.assert_allclose(losses, reference_steps(ref_model, ref_opt, 3), rtol=1e-6)
+    bn, ref_bn = model[1], ref_model[1]
+    assert int(bn.num_batches_tracked) == int(ref_bn.num_batches_tracked) == 3
+    assert_close_lists([bn.running_mean, bn.running_var], [ref_bn.running_mean, ref_bn.running_var])
+
+
+@pytest.mark.parametrize("change", ["add_param_group", "freeze"])
+def test_parameters_changed_after_fuse_are_refused_and_nothing_moves(change):
+    body, head = torch.nn.Linear(2, 4), torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9)
+    fit = sf.fuse(lambda x, y: torch.nn.functional.cross_entropy(head(body(x)), y), optimizer, steps=2,
+                  mode="stepwise")
+    fit(X, Y)
+    if change == "add_param_group":  # progressive unfreezing: the fit was built for the head only
+        optimizer.add_param_group({"params": list(body.parameters())})
+    else:
+        head.bias.requires_grad_(False)
+    before, state = params_of(body) + params_of(head), state_of(optimizer)
+    with pytest.raises(ValueError, match="(?i)`optimizer`.*build a new fit"):
+        fit(X, Y)
+    assert_close_lists(params_of(body) + params_of(head), before, rtol=0, atol=0)
+    assert_same_state(state_of(optimizer), state, rtol=0, atol=0)
+    assert fit.step == 2
+
+
+def test_parameters_outside_the_optimizer_stay_fixed_and_the_fit_stays_fused():
+    """The optimizer holds the head only; the body's parameters still require grad."""
+    def build():
+        torch.manual_seed(5)
+        body, head = torch.nn.Linear(2, 4), torch.nn.Linear(4, 2)
+        return body, head, torch.optim.Adam(head.parameters(), lr=0.05)
+
+    body, head, optimizer = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no silent fallback
+        fit = sf.fuse(lambda x, y: torch.nn.functional.cross_entropy(head(body(x)), y), optimizer, steps=4)
+        losses, _ = run_calls(fit)
+    assert fit.mode == "fused"
+    ref_body, ref_head, ref_opt = build()
+    ref = torch.nn.Sequential(ref_body, ref_head)
+    np.testing.assert_allclose(losses, reference_steps(ref, ref_opt, sum(CALLS)), rtol=1e-6, atol=1e-7)
+    assert_close_lists(params_of(head), params_of(ref_head))
+    assert_close_lists(params_of(body), params_of(ref_body), rtol=0, atol=0)
 
 
 def test_loss_without_a_module_falls_back_and_names_model():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,8 @@ OPTIMIZERS = {
     "sgd_weight_decay": (torch.optim.SGD, dict(lr=0.05, momentum=0.5, dampening=0.1, weight_decay=0.1)),
     "adam": (torch.optim.Adam, dict(lr=0.01)),
     "adamw": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
+    **({"adam_decoupled": (torch.optim.Adam, dict(lr=0.01, weight_decay=0.5, decoupled_weight_decay=True))}
+       if "decoupled_weight_decay" in inspect.signature(torch.optim.Adam).parameters else {}),
     "rmsprop": (torch.optim.RMSprop, dict(lr=0.01, momentum=0.5, centered=True)),
     "adagrad": (torch.optim.Adagrad, dict(lr=0.1)),
 }

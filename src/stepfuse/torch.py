@@ -96,10 +96,13 @@ def _sgd_update(p, gr, s, g, capturable):
 def _adam_update(p, gr, s, g, capturable, fn=None):
     from torch.optim.adam import adam
 
+    extra = {}
+    if "decoupled_weight_decay" in g:  # torch >= 2.8: Adam and AdamW are one rule
+        fn, extra = adam, {"decoupled_weight_decay": g["decoupled_weight_decay"]}
     (fn or adam)(p, gr, s["exp_avg"], s["exp_avg_sq"], s.get("max_exp_avg_sq", []), s["step"],
                  foreach=False, capturable=capturable, amsgrad=g["amsgrad"],
                  beta1=g["betas"][0], beta2=g["betas"][1], lr=g["lr"],
-                 weight_decay=g["weight_decay"], eps=g["eps"], maximize=g["maximize"])
+                 weight_decay=g["weight_decay"], eps=g["eps"], maximize=g["maximize"], **extra)
 
 
 def _adamw_update(p, gr, s, g, capturable):
@@ -134,6 +137,15 @@ _RULES: Dict[type, Tuple[Callable, Callable, bool]] = {
     torch.optim.Adagrad: (_adagrad_keys, _adagrad_update, False),  # reads `step` on the host
 }
 SUPPORTED_OPTIMIZERS = tuple(c.__name__ for c in _RULES)
+# The options of each class that its rule reads; an optimizer whose class has any other
+# (a newer torch's) runs stepwise rather than silently without it.
+_HANDLED = {
+    torch.optim.SGD: {"lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"},
+    torch.optim.Adam: {"lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay"},
+    torch.optim.RMSprop: {"lr", "alpha", "eps", "weight_decay", "momentum", "centered", "maximize"},
+    torch.optim.Adagrad: {"lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps", "maximize"},
+}
+_HANDLED[torch.optim.AdamW] = _HANDLED[torch.optim.Adam]
 """The ``torch.optim`` classes the fused mode runs; any other optimizer runs stepwise."""
 
 _IGNORED_GROUP_KEYS = ("params", "foreach", "fused", "capturable", "differentiable", "initial_lr")
@@ -293,11 +305,14 @@ def _bad(exc, name, value, want, fix):
 # --------------------------------------------------------------------------------------
 
 
-def _make_body(wrapper, names, update, info, K, re, tol, P, capturable, n, i0, base, batch):
-    """The loop body: ``K`` steps, each masked so a stop mid-chunk leaves the stepwise state."""
+def _make_body(wrapper, names, others, update, info, K, re, tol, P, capturable, n, i0, base, batch):
+    """The loop body: ``K`` steps, each masked so a stop mid-chunk leaves the stepwise state.
+    ``others``: names of the modules' parameters the optimizer does not hold, which enter
+    the loss as constants (the optimizer never changes them)."""
 
     def loss_of(ps):
-        return torch.func.functional_call(wrapper, dict(zip(names, ps)), tuple(batch))
+        held = {k: wrapper.get_parameter(k).detach() for k in others}
+        return torch.func.functional_call(wrapper, {**held, **dict(zip(names, ps))}, tuple(batch))
 
     grad_and_loss = torch.func.grad_and_value(loss_of)
 
@@ -381,6 +396,8 @@ class FusedFit:
         self._captured: "collections.OrderedDict[tuple, Any]" = collections.OrderedDict()
         self._wrapper = None
         self._names: List[str] = []
+        self._others: List[str] = []
+        self._modules = [model] if model is not None else _find_modules(loss_fn)
         self._rule = _RULES.get(type(optimizer))
         self._needs_closure = _needs_closure(optimizer)
         if self.mode == "fused":
@@ -399,6 +416,11 @@ class FusedFit:
         if self._rule is None:
             return (f"{type(self.optimizer).__name__} has no fused update rule here (supported: "
                     f"{', '.join(SUPPORTED_OPTIMIZERS)}).")
+        unhandled = sorted(set(self.optimizer.defaults) - _HANDLED[type(self.optimizer)]
+                           - set(_IGNORED_GROUP_KEYS))
+        if unhandled:
+            return (f"the fused {type(self.optimizer).__name__} rule does not read its option(s) "
+                    f"{', '.join(unhandled)}.")
         modules = [model] if model is not None else _find_modules(self.loss_fn)
         names: Dict[int, str] = {}
         wrapper = _LossModule(self.loss_fn, modules)
@@ -410,6 +432,9 @@ class FusedFit:
             return (f"{len(missing)} of the optimizer's parameters belong to {where}; pass "
                     "fuse(..., model=the_module) with the module that holds them.")
         self._wrapper, self._names = wrapper, [names[id(p)] for p in self._params]
+        held = {id(p) for p in self._params}
+        self._others = [name for name, p in wrapper.named_parameters()  # one name per tensor
+                        if id(p) not in held and p.requires_grad]
         return None
 
     # -- layout of the carried tensors -------------------------------------------------------
@@ -464,7 +489,7 @@ class FusedFit:
     def _body_maker(self, capturable: bool):
         """``make(n, i0, base, batch) -> body`` over plain values (no optimizer access when traced)."""
         info = [(sl, keys, _hyper(g)) for g, sl, keys in self._layout()]
-        args = (self._wrapper, tuple(self._names), self._rule[1], info, self.chunk,
+        args = (self._wrapper, tuple(self._names), tuple(self._others), self._rule[1], info, self.chunk,
                 self.opts.record_every, self.opts.tol, len(self._params), capturable)
         return lambda n, i0, base, batch: _make_body(*args, n, i0, base, batch)
 
@@ -508,7 +533,10 @@ class FusedFit:
         nslots = -(-self._cap // re) + 1
         dev = params[0].device
         t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
-        return self._program(t(n), t(i0), t(-(-i0 // re)), prev, nslots, params, states, tuple(batch))
+        # Without autograd around it: parameters the optimizer does not hold may require grad,
+        # and the loop must not be recorded for a backward (torch.func.grad still works inside).
+        with torch.no_grad():
+            return self._program(t(n), t(i0), t(-(-i0 // re)), prev, nslots, params, states, tuple(batch))
 
     # -- CUDA graph (static buffers, a compiled chunk captured once, replayed) ------------
 
@@ -596,6 +624,23 @@ class FusedFit:
                 raise TypeError(f"`batch` does not fit `loss_fn{signature}`: got {len(batch)} "
                                 f"positional arguments ({e}). Call fit(*batch) with the arguments "
                                 "of loss_fn (nothing was run or changed).") from None
+        # The probe's forward must change nothing: BatchNorm's running statistics and the
+        # random state (dropout) are put back as they were.
+        buffers = {id(b): b for m in self._modules for b in m.buffers()}
+        saved = [(b, b.detach().clone()) for b in buffers.values()]
+        cuda = sorted({t.device.index or 0 for t in (*self._params, *batch)
+                       if isinstance(t, torch.Tensor) and t.is_cuda})
+        try:
+            with torch.random.fork_rng(devices=cuda):
+                self._check_loss(batch)
+        finally:
+            with torch.no_grad():
+                for b, v in saved:
+                    b.copy_(v)
+        self._probed.add(sig)
+
+    def _check_loss(self, batch) -> None:
+        """Run ``loss_fn`` on ``batch`` once and check what it returns (see `_probe`)."""
         with torch.enable_grad():
             try:
                 loss = self.loss_fn(*batch)
@@ -627,7 +672,6 @@ class FusedFit:
                  f"{len(grads)} parameters", "a function of every parameter the optimizer holds",
                  "Remove unused parameters from the optimizer or compute the loss from them.")
         self._loss_dtype = loss.dtype
-        self._probed.add(sig)
 
     def _ensure_program(self, batch) -> None:
         """Build (compile / capture) the fused program if needed; may fall back to stepwise.
@@ -689,6 +733,7 @@ class FusedFit:
           The call's `stepfuse.Trace` (losses before each update, updates applied, stop).
         """
         n = check_call_steps(steps, self.opts, capped=False)
+        self._check_params_unchanged()
         grads_before = [p.grad for p in self._params]
         snap = _snapshot(self.optimizer, self._params)
         before = [p.detach().clone() for p in self._params]
@@ -714,6 +759,24 @@ class FusedFit:
                 p.grad = g
         return finish(trace, self.opts, start)
 
+    def _check_params_unchanged(self) -> None:
+        """Refuse a call after the optimizer's parameters changed (``add_param_group``) or
+        one was frozen (``requires_grad_(False)``) since `fuse`: the fit would still update
+        the parameters it was built for."""
+        now = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if len(now) != len(self._params) or any(a is not b for a, b in zip(now, self._params)):
+            raise ValueError(
+                f"`optimizer` holds other parameters than when the fit was built ({len(now)} "
+                f"tensors now, {len(self._params)} then: add_param_group or a changed group?). "
+                "Build a new fit with sf.fuse(loss_fn, optimizer, ...) (nothing was run or changed).")
+        frozen = [i for i, p in enumerate(self._params) if not p.requires_grad]
+        if frozen:
+            p = self._params[frozen[0]]
+            raise ValueError(
+                f"`optimizer` parameter {frozen[0]} (shape {tuple(p.shape)}) was set to "
+                "requires_grad=False after the fit was built. Leave frozen parameters out of the "
+                "optimizer and build a new fit (nothing was run or changed).")
+
     # stepwise: the optimizer's own step(), eagerly -------------------------------------------
 
     def _loss_and_grads(self, batch) -> torch.Tensor:
@@ -733,10 +796,17 @@ class FusedFit:
             return loss.item(), False, None
         old_p = [p.detach().clone() for p in params]
         old_s = _snapshot(opt, params)
-        if self._needs_closure:  # e.g. LBFGS, which re-evaluates the loss within its step
-            opt.step(lambda: self._loss_and_grads(batch))
-        else:
-            opt.step()
+        try:
+            if self._needs_closure:  # e.g. LBFGS, which re-evaluates the loss within its step
+                opt.step(lambda: self._loss_and_grads(batch))
+            else:
+                opt.step()
+        except BaseException:  # as they were before this step
+            with torch.no_grad():
+                for p, v in zip(params, old_p):
+                    p.copy_(v)
+            _restore(opt, params, old_s)
+            raise
         new_p = [p.detach().clone() for p in params]
         new_s = _snapshot(opt, params)
         finite = _all_finite(new_p) and _all_finite(v for d in new_s.values() for v in d.values())
@@ -776,7 +846,8 @@ class FusedFit:
                 # torch creates the state lazily in step(); let it (exact init semantics).
                 first = run_stepwise(lambda: self._propose(batch), self._commit, 1,
                                      dataclasses.replace(opts, steps=1, tol=None, record_every=1), start, notify)
-                losses.append(np.asarray(first.loss, np.float32))
+                losses.append(np.asarray(first.loss, np.float64 if self._loss_dtype == torch.float64
+                                         else np.float32))
                 i, stop = 1, first.stop
                 if first.steps:
                     prev = torch.tensor(float(first.loss[0]), dtype=self._loss_dtype, device=dev)
