@@ -132,6 +132,9 @@ TF2_CASES = [
       for m in ("fused", "stepwise")],
     *[(f"optimizer {name}", lambda w, o=o: w.fit(optimizer=o), "`optimizer`")
       for name, o in _other_framework_optimizers()],
+    ("optimizer LossScaleOptimizer",
+     lambda w: w.fit(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))),
+     "`optimizer`.*LossScaleOptimizer"),
     ("variables empty", lambda w: w.fit(variables=[]), "`variables`"),
     ("variables not trainable", lambda w: w.fit(variables=[tf.Variable([1.0], trainable=False)]), "`variables`"),
     ("variables int32", lambda w: w.fit(variables=[tf.Variable([1, 2])]), "`variables`"),
@@ -151,6 +154,55 @@ def test_tf2_bad_input_names_argument_and_changes_nothing(case, action, pattern)
     msg = str(err.value)
     assert "got" in msg and any(word in msg for word in FIX_WORDS), msg
     w.unchanged()
+
+
+def test_tf2_fit_called_inside_a_tf_function_says_so_and_changes_nothing():
+    w = World()
+    fit = w.fit()
+    with pytest.raises(RuntimeError, match="call the fit eagerly"):
+        tf.function(lambda x, y: fit(x, y).steps)(X, Y)
+    w.unchanged()
+    assert fit(X, Y).steps == 3  # still usable
+
+
+def test_tf1_reference_variables_are_refused_with_the_fix():
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 2])
+        y = tf1.placeholder(tf.int32, [None])
+
+        def loss():  # reference variables, as after tf.compat.v1.disable_v2_behavior()
+            k = tf1.get_variable("kernel", initializer=P["kernel"], use_resource=False)
+            b = tf1.get_variable("bias", initializer=P["bias"], use_resource=False)
+            return ce(y, tf.matmul(x, k) + b)
+
+        with pytest.raises(TypeError, match=r"`var_list`.*reference variable.*enable_resource_variables"):
+            v1.fuse(loss, tf1.train.GradientDescentOptimizer(0.1), steps=3)
+
+
+@pytest.mark.parametrize("steps_kind", ["int", "tensor"])
+def test_tf1_steps_fed_below_one_fail_the_run_and_change_nothing(steps_kind):
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 2])
+        y = tf1.placeholder(tf.int32, [None])
+        steps = 3 if steps_kind == "int" else tf1.placeholder(tf.int32, [])
+
+        def loss():
+            k = tf1.get_variable("kernel", initializer=P["kernel"])
+            b = tf1.get_variable("bias", initializer=P["bias"])
+            return ce(y, tf.matmul(x, k) + b)
+
+        fused = v1.fuse(loss, tf1.train.MomentumOptimizer(0.1, 0.9), steps=steps)
+        init = tf1.global_variables_initializer()
+    with tf1.Session(graph=g) as sess:
+        sess.run(init)
+        before = sess.run(fused.state)
+        for bad in (0, -5):
+            with pytest.raises(tf.errors.InvalidArgumentError, match="at least 1"):
+                sess.run(fused.train_op, {x: X, y: Y, fused.steps: bad})
+        for a, b in zip(sess.run(fused.state), before):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_tf2_batch_error_carries_tf_message_and_shapes():

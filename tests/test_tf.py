@@ -51,6 +51,31 @@ def test_fused_equals_gradient_tape_loop(opt, problem, jit, data):
         assert abs(losses[0][0] - LN2) < 1e-6
 
 
+@pytest.mark.parametrize("jit", [True, False], ids=["xla", "noxla"])
+def test_float64_losses_stay_float64_and_tol_compares_them(jit, data):
+    """Consecutive losses 5e-8 apart, tol=1e-8: a float32 copy of the losses would round
+    them equal and stop with TOL after a few steps; the GradientTape loop runs all 20."""
+    x, y = tf.cast(data[0], tf.float64), data[1]
+
+    def build():
+        k = tf.Variable(tf.ones((2, 2), tf.float64))
+        b = tf.Variable(tf.zeros((2,), tf.float64))
+        return [k, b], lambda x, y: tf.reduce_mean(
+            tf.nn.sparse_softmax_cross_entropy_with_logits(y, tf.matmul(x, k) + b))
+
+    ref_vars, ref_loss = build()
+    ref = reference_steps(ref_loss, keras.optimizers.SGD(1e-6), ref_vars, x, y, 20)
+    assert np.all(np.abs(np.diff(ref)) > 1e-8)
+    variables, loss_fn = build()
+    trace = sf.fuse(loss_fn, keras.optimizers.SGD(1e-6), variables, steps=20, tol=1e-8, jit_compile=jit)(x, y)
+    assert trace.stop == Stop.STEPS and trace.steps == 20 and trace.loss.dtype == np.float64
+    np.testing.assert_allclose(trace.loss, ref, rtol=1e-12)
+    one = Perceptron()  # a float32 loss keeps a float32 trace
+    fit = sf.fuse(lambda x, y: tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, one(x))),
+                  keras.optimizers.SGD(0.01), one, steps=3, jit_compile=jit)
+    assert fit(*data).loss.dtype == np.float32
+
+
 def test_seed_table_three_step_rows_equal_every_third_one_step_row(data):
     x, y = data
     one = Perceptron()

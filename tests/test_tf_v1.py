@@ -194,6 +194,34 @@ def test_tol_stops_early_like_the_stepwise_oracle():
     np.testing.assert_allclose(trace.loss, ref.loss, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("steps_kind", ["int", "tensor"])
+def test_float64_losses_stay_float64_and_tol_compares_them(steps_kind):
+    """As in TF2: losses 5e-8 apart, tol=1e-8, 20 steps; the plain sess.run loop and the
+    stepwise reference run all 20 (a float32 trace stopped after 3)."""
+    def graph(kind):
+        g = tf.Graph()
+        with g.as_default():
+            x = tf1.placeholder(tf.float64, [None, 2])
+            y = tf1.placeholder(tf.int32, [None])
+            steps = 20 if steps_kind == "int" else tf1.placeholder_with_default(20, [])
+
+            def loss_fn():
+                k = tf1.get_variable("kernel", initializer=tf.ones((2, 2), tf.float64), dtype=tf.float64)
+                b = tf1.get_variable("bias", initializer=tf.zeros((2,), tf.float64), dtype=tf.float64)
+                return sparse_ce(y, tf.matmul(x, k) + b)
+
+            f = v1.fuse(loss_fn, tf1.train.GradientDescentOptimizer(1e-6), steps=steps, tol=1e-8, mode=kind)
+            init = tf1.global_variables_initializer()
+        s = tf1.Session(graph=g)
+        s.run(init)
+        return f.run(s, {x: XS.astype(np.float64), y: YS})
+
+    trace, ref = graph("fused"), graph("stepwise")
+    assert trace.stop == ref.stop == Stop.STEPS and trace.steps == ref.steps == 20
+    assert trace.loss.dtype == np.float64 and np.all(np.abs(np.diff(trace.loss)) > 1e-8)
+    np.testing.assert_allclose(trace.loss, ref.loss, rtol=1e-12)
+
+
 def _quadratic_graph(kind, lr, start, steps):
     g = tf.Graph()
     with g.as_default():

@@ -63,6 +63,12 @@ def _check_optimizer(optimizer) -> None:
               "Pass e.g. keras.optimizers.SGD(0.01) or keras.optimizers.Adam(1e-3); "
               "optax optimizers go to stepfuse.jax, torch.optim ones to stepfuse.torch, "
               "tf.compat.v1.train ones to stepfuse.tf.v1.")
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        _fail(TypeError, "optimizer", optimizer, "an optimizer that is not a LossScaleOptimizer",
+              "A fused loop stops at a non-finite gradient and never applies it (Stop.NONFINITE), "
+              "while a LossScaleOptimizer needs those steps to lower its scale, so it would never "
+              "train. Use mixed_bfloat16 (no loss scaling needed) or float32, with the inner "
+              "optimizer.")
 
 
 def _check_variables(variables) -> list:
@@ -143,7 +149,7 @@ _PUBLISH_SECONDS = 0.25
 _XLA_CHUNK = 32  # losses an XLA inner loop keeps on the side between copies into the trace
 
 
-def _inner_loop(step, m, i0, prev, opts: Options, cap: int, xla: bool = False):
+def _inner_loop(step, m, i0, prev, opts: Options, cap: int, xla: bool = False, dtype=tf.float32):
     """At most ``m`` guarded steps (the part of a call that XLA compiles).
 
     ``step()`` evaluates the loss and gradients at the current variables and applies the
@@ -157,14 +163,17 @@ def _inner_loop(step, m, i0, prev, opts: Options, cap: int, xla: bool = False):
     write is an update of the whole buffer, which XLA:CPU copies at every step (the seed,
     a 16,384-entry buffer: ~0.8 us of a ~1.8 us step); there the losses of
     ``_XLA_CHUNK`` recorded steps gather in a small buffer, written into the trace once.
+    The losses are kept as ``dtype``: float64 for a float64 loss, whose ``tol`` compares
+    the losses themselves (a float32 copy rounds away differences of ~1e-7 relative).
     """
     r = opts.record_every
     first_slot = (i0 + r - 1) // r
 
     def guarded(j, applied, prev):
-        """One step at call index ``i0 + j``: (loss32, loss64, applied, stop, recorded, slot)."""
+        """One step at call index ``i0 + j``: (loss as `dtype`, as float64, applied, stop,
+        recorded, slot)."""
         loss, ok = step()
-        loss32 = tf.cast(loss, tf.float32)
+        loss32 = tf.cast(loss, dtype)
         loss64 = tf.cast(loss32, tf.float64)
         i = i0 + j
         applied = applied + tf.cast(ok, _INT)
@@ -190,7 +199,7 @@ def _inner_loop(step, m, i0, prev, opts: Options, cap: int, xla: bool = False):
 
         # Sized by what is written: stacking a TensorArray of `cap` entries costs ~2 ms a
         # call at cap = 16,384 however few steps ran (the seed, a 1-step call).
-        buf = tf.TensorArray(tf.float32, size=0, dynamic_size=True, element_shape=[])
+        buf = tf.TensorArray(dtype, size=0, dynamic_size=True, element_shape=[])
         init = (zero, zero, zero, prev, buf)
         j, applied, stop, prev, buf = tf.while_loop(lambda j, a, s, p, b: running(j, s), body, init,
                                                     maximum_iterations=m)
@@ -210,10 +219,10 @@ def _inner_loop(step, m, i0, prev, opts: Options, cap: int, xla: bool = False):
 
             j, applied, stop, prev, small = tf.while_loop(
                 lambda j, a, s, p, b: tf.logical_and(running(j, s), j < end), body,
-                (j, applied, stop, prev, tf.fill([C], tf.constant(math.nan, tf.float32))))
+                (j, applied, stop, prev, tf.fill([C], tf.constant(math.nan, dtype))))
             return j, applied, stop, prev, chunks.write(k, small), k + 1
 
-        chunks = tf.TensorArray(tf.float32, size=-(-cap // C), element_shape=[C])
+        chunks = tf.TensorArray(dtype, size=-(-cap // C), element_shape=[C])
         j, applied, stop, prev, chunks, _ = tf.while_loop(
             lambda j, a, s, p, c, k: running(j, s), chunk, (zero, zero, zero, prev, chunks, zero))
         buf = tf.reshape(chunks.stack(), [-1])
@@ -221,7 +230,8 @@ def _inner_loop(step, m, i0, prev, opts: Options, cap: int, xla: bool = False):
     return buf, count, j, applied, stop, prev
 
 
-def _outer_loop(inner, n, step0, opts: Options, chunk: int, notify=None, publish=None, speed=None):
+def _outer_loop(inner, n, step0, opts: Options, chunk: int, notify=None, publish=None, speed=None,
+                dtype=tf.float32):
     """A whole call: ``inner`` chunks of at most ``chunk`` steps until ``n`` or a stop.
 
     Runs outside XLA, so the trace can grow with ``n`` (a TensorArray of the chunks'
@@ -264,7 +274,7 @@ def _outer_loop(inner, n, step0, opts: Options, chunk: int, notify=None, publish
                 lambda: ticks)
         return i + j, applied, stop, prev, ta, k + 1, ticks, clock
 
-    ta = tf.TensorArray(tf.float32, size=0, dynamic_size=True, infer_shape=False, element_shape=[None])
+    ta = tf.TensorArray(dtype, size=0, dynamic_size=True, infer_shape=False, element_shape=[None])
     # (time the last chunk ended, its steps per second): sizes a bar's chunks
     clock = tf.stack([tf.timestamp(), tf.constant(0, tf.float64) if speed is None else speed])
     init = (tf.constant(0, _INT), tf.constant(0, _INT), tf.constant(0, _INT),
@@ -315,6 +325,7 @@ class Fit:
         self._cap = -(-window // opts.record_every)
         self._notifier: Optional[Notifier] = None
         self._notified_step: Optional[int] = None
+        self._loss_dtype = tf.float32  # set while tracing (`_loss_and_grads`)
         self._callback_error: Optional[BaseException] = None
         self._build()
 
@@ -358,6 +369,11 @@ class Fit:
                 return concrete(*args)
             return call_flat(list(args), concrete.captured_inputs)
 
+    def _host_losses(self, losses: np.ndarray) -> np.ndarray:
+        """The program's float64 losses as the loss's own precision: float64 for a float64
+        loss, else float32 (exactly the values a float32 buffer would have held)."""
+        return losses if self._loss_dtype == tf.float64 else losses.astype(np.float32)
+
     def _loss_and_grads(self, batch):
         with tf.GradientTape() as tape:
             try:
@@ -379,6 +395,7 @@ class Fit:
                     "expects (count, shapes, dtypes), e.g. fit(x, y) for loss_fn(x, y).") from e
         _check_loss(loss, self.loss_fn)
         loss = tf.convert_to_tensor(loss)
+        self._loss_dtype = loss.dtype  # while tracing: see `_host_losses`
         grads = tape.gradient(loss, self._tf_vars)
         missing = [v.name for v, g in zip(self._tf_vars, grads) if g is None]
         if missing:
@@ -411,7 +428,10 @@ class Fit:
             loss, grads = self._loss_and_grads(batch)
             return loss, self._guarded_update(loss, grads)
 
-        return _inner_loop(step, m, i0, prev, self.opts, self._cap, xla=self.jit_compile)
+        # The loss dtype is known only once loss_fn is traced, inside the loop: the losses
+        # travel as float64 (exact for every float dtype) and `_host_losses` casts them back.
+        return _inner_loop(step, m, i0, prev, self.opts, self._cap, xla=self.jit_compile,
+                           dtype=tf.float64)
 
     def _whole_py(self, n, *batch):
         self.traces += 1
@@ -424,7 +444,7 @@ class Fit:
         return _outer_loop(lambda m, i0, prev: self._inner(m, i0, prev, *batch), n, step0,
                            self.opts, self._chunk,
                            self._notify_host if self.opts.notify and self._published is None else None,
-                           self._published, speed)
+                           self._published, speed, dtype=tf.float64)
 
     def _notify_host(self, step, loss):
         step = int(step)
@@ -441,6 +461,12 @@ class Fit:
     def __call__(self, *batch, steps=None) -> Trace:
         """Run ``steps`` (default: the ``steps`` given to `fuse`) updates; returns the `Trace`."""
         n = check_call_steps(steps, self.opts, capped=False)
+        if not tf.executing_eagerly():
+            raise RuntimeError(
+                "stepfuse.tf: call the fit eagerly, not inside a tf.function or graph: it "
+                "compiles its own tf.function (all steps in one call) and reads the trace "
+                "back on the host. Call fit(*batch) from Python; for TF1 graphs use "
+                "stepfuse.tf.v1.fuse.")
         batch = tuple(tf.convert_to_tensor(b) for b in batch)
         start = self.step
         if self.opts.mode == "stepwise":
@@ -476,14 +502,14 @@ class Fit:
         if whole:
             def run():
                 buf, count, applied, stop = self._call(self._whole, tf.constant(n, _INT), *batch)
-                return buf.numpy()[:int(count)], applied, stop, None
+                return self._host_losses(buf.numpy()[:int(count)]), applied, stop, None
         else:
             def run():
                 t0 = time.perf_counter()
                 losses, applied, stop, last = self._call(
                     self._outer, tf.constant(n, _INT), tf.constant(start, tf.int64),
                     tf.constant(self._steps_per_second, tf.float64), *batch)
-                losses = losses.numpy()
+                losses = self._host_losses(losses.numpy())
                 if self._published is not None and int(applied):
                     self._steps_per_second = int(applied) / (time.perf_counter() - t0)
                 return losses, applied, stop, last

@@ -65,6 +65,12 @@ def _check_var_list(var_list, given) -> list:
         if not v.dtype.base_dtype.is_floating:
             _fail(TypeError, "var_list", given, "floating-point variables",
                   f"{v.name} has dtype {v.dtype.base_dtype.name}. " + fix)
+        if v.dtype.name.endswith("_ref"):  # tf1.disable_v2_behavior() or use_resource=False
+            _fail(TypeError, "var_list", given, "resource variables",
+                  f"{v.name} is a reference variable (dtype {v.dtype.name}), which the fused loop "
+                  "cannot update. Call tf.compat.v1.enable_resource_variables() after "
+                  "disable_v2_behavior() and before building the graph, or create the variables "
+                  "with use_resource=True.")
     return var_list
 
 
@@ -123,17 +129,18 @@ class Fused:
 
     Attributes:
       train_op: runs the loop (``steps`` guarded updates); same loop as ``losses``.
-      losses: float32 vector of the recorded losses of that run (``loss[j]`` is the loss
-        before update ``j * record_every``; after a non-finite stop the refused loss is last).
+      losses: the recorded losses of that run, float32 (float64 for a float64 loss):
+        ``loss[j]`` is the loss before update ``j * record_every``; after a non-finite stop
+        the refused loss is last.
       steps_taken: int32, updates applied in that run. stop: int32 `stepfuse.Stop` code.
       steps: the int32 tensor giving the number of steps (a ``placeholder_with_default``
         when ``steps`` was a Python int: feed it to change the count without rebuilding).
       max_steps: the most steps one run may take (``chunk``) for an int ``steps``; ``None``
         for a tensor ``steps`` (chunks are chained).
-      packed: one float32 vector with all of a run's results, which ``run`` fetches: a
-        loss buffer whose first ``count`` entries are ``losses``, then ``count``,
-        ``steps_taken`` and ``stop`` as int32 bits (on the host: ``count, taken, stop =
-        packed[-3:].view(np.int32)``, ``losses = packed[:count]``).
+      packed: one vector with all of a run's results, which ``run`` fetches: a loss
+        buffer whose first ``count`` entries are ``losses``, then ``count``,
+        ``steps_taken`` and ``stop``: as int32 bits in float32 (on the host: ``count, taken,
+        stop = packed[-3:].view(np.int32)``), or as float64 values for a float64 loss.
       loss: the loss at the current variables (the forward pass that created them).
       var_list, state: the trained variables; those plus the optimizer's variables.
     """
@@ -150,7 +157,8 @@ class Fused:
                 feed[self.steps] = n
         # One fetch: each fetched tensor costs ~10-20 us of sess.run here (see `packed`).
         packed = sess.run(self.packed, feed)
-        count, applied, stop = packed[-3:].view(np.int32).tolist()
+        tail = packed[-3:].astype(np.int32) if packed.dtype == np.float64 else packed[-3:].view(np.int32)
+        count, applied, stop = tail.tolist()
         start = self.step
         self.step += applied
         return finish(host_trace(packed[:count], applied, stop, self.opts.record_every), self.opts, start)
@@ -168,9 +176,12 @@ class Stepwise:
         self.__dict__.update(kw)
 
     def run(self, sess, feed_dict: Optional[Dict] = None, steps: Optional[int] = None) -> Trace:
-        """Run ``steps`` (default: the built ``steps``) single steps; returns the `Trace`."""
-        n = self.opts.steps if steps is None else _check_run_steps(steps)
+        """Run ``steps`` (default: the built ``steps``; a tensor ``steps`` is evaluated
+        with ``feed_dict``) single steps; returns the `Trace`."""
         feed = dict(feed_dict or {})
+        if steps is None and self.steps_tensor is not None:
+            steps = int(sess.run(self.steps_tensor, feed))
+        n = self.opts.steps if steps is None else _check_run_steps(steps)
 
         def propose():
             loss, finite, new = sess.run([self.loss_t, self.finite, self.new], feed)
@@ -273,7 +284,8 @@ def fuse(
         opts = check_options(steps, tol, record_every, on_nonfinite=on_nonfinite, mode=mode)
     loss0, var_list, state = _prepare(loss_fn, optimizer, var_list)
     if mode == "stepwise":
-        return _build_stepwise(loss_fn, optimizer, var_list, state, opts, loss0)
+        return _build_stepwise(loss_fn, optimizer, var_list, state, opts, loss0,
+                               steps_given if isinstance(steps_given, (tf.Tensor, tf.Variable)) else None)
     if isinstance(steps_given, (tf.Tensor, tf.Variable)):
         n = tf.cast(steps_given, tf.int32)
     else:
@@ -301,36 +313,49 @@ def fuse(
     # captures the placeholders and variables; automatic control dependencies order every
     # read and write inside it. A tensor `steps` chains chunks of it in a plain graph loop;
     # an int `steps` makes a run one call of it.
+    # The trace keeps a float64 loss as float64 (its `tol` compares those values), any
+    # other as float32; `packed` is of that dtype, its last three entries the int32 counts.
+    wide = loss0.dtype.base_dtype == tf.float64
+    dtype = tf.float64 if wide else tf.float32
+
+    def pack(ints):
+        return tf.cast(ints, tf.float64) if wide else tf.bitcast(ints, tf.float32)
+
     def inner_py(m, i0, prev):
-        return _inner_loop(step, m, i0, prev, opts, cap, xla=jit_compile)
+        return _inner_loop(step, m, i0, prev, opts, cap, xla=jit_compile, dtype=dtype)
 
     def whole_run_py(m):
         """All of a run in one call, whose one output is `packed`: no graph op after it."""
         buf, count, _, applied, stop, _ = _inner_loop(
             step, m, tf.constant(0, tf.int32), tf.constant(math.nan, tf.float64), opts, cap,
-            xla=jit_compile)
-        return tf.concat([buf, tf.bitcast(tf.stack([count, applied, stop]), tf.float32)], 0)
+            xla=jit_compile, dtype=dtype)
+        return tf.concat([buf, pack(tf.stack([count, applied, stop]))], 0)
 
     with tf1.name_scope("stepfuse_loop"):
         if isinstance(steps_given, (tf.Tensor, tf.Variable)):
             inner = tf.function(inner_py, jit_compile=bool(jit_compile), autograph=False)
-            losses, applied, stop, _ = _outer_loop(inner, n, tf.constant(0, tf.int64), opts, chunk)
-            tail = tf.bitcast(tf.stack([tf.size(losses), applied, stop]), tf.float32)
+            positive = tf.debugging.Assert(n >= 1, [
+                "stepfuse.tf.v1: the `steps` tensor must be at least 1 in each run. Got:", n])
+            with tf.control_dependencies([positive]):
+                losses, applied, stop, _ = _outer_loop(inner, n, tf.constant(0, tf.int64), opts, chunk,
+                                                       dtype=dtype)
+            tail = pack(tf.stack([tf.size(losses), applied, stop]))
             packed = tf.concat([losses, tail], 0, name="packed")
         else:
             # At most `chunk` steps per run and no graph loop around the call (measured:
             # ~50 us less per sess.run, about what the one-step graph of the seed costs).
-            fits = tf.debugging.Assert(n <= chunk, [
-                f"stepfuse.tf.v1: `steps` fed to this graph must be at most {chunk} (the "
-                f"chunk it was built with); build with fuse(..., steps=N) for larger N, or "
-                f"with chunk=N, or give steps as an int32 tensor. Got:", n])
+            fits = tf.debugging.Assert(tf.logical_and(n >= 1, n <= chunk), [
+                f"stepfuse.tf.v1: `steps` fed to this graph must be at least 1 and at most "
+                f"{chunk} (the chunk it was built with); build with fuse(..., steps=N) for "
+                f"larger N, or with chunk=N, or give steps as an int32 tensor. Got:", n])
             whole_run = tf.function(whole_run_py, jit_compile=bool(jit_compile), autograph=False)
             # `run` fetches the call's own output. The seed, 1 step a run: ~199 us when
             # `run` fetched [losses, steps_taken, stop, train_op], ~174 us for one tensor
             # packed by graph ops after the call, ~10 us less again packed inside it.
             with tf.control_dependencies([fits]):
                 packed = whole_run(n)
-            count, applied, stop = tf.unstack(tf.bitcast(packed[-3:], tf.int32), num=3)
+            ints = tf.cast(packed[-3:], tf.int32) if wide else tf.bitcast(packed[-3:], tf.int32)
+            count, applied, stop = tf.unstack(ints, num=3)
             losses = packed[:count]
         train_op = tf.group(applied, stop, losses, name="train_op")
     return Fused(train_op=train_op, losses=losses, steps_taken=applied, stop=stop, steps=n, packed=packed,
@@ -339,7 +364,7 @@ def fuse(
                  max_steps=None if isinstance(steps_given, (tf.Tensor, tf.Variable)) else chunk)
 
 
-def _build_stepwise(loss_fn, optimizer, var_list, state, opts: Options, loss0):
+def _build_stepwise(loss_fn, optimizer, var_list, state, opts: Options, loss0, steps_tensor=None):
     loss, snapshot, new, finite = _step_ops(loss_fn, optimizer, var_list, state)
     with tf.control_dependencies(new + [finite, loss]):
         restore = tf.group(*[v.assign(old) for v, old in zip(state, snapshot)])
@@ -350,7 +375,7 @@ def _build_stepwise(loss_fn, optimizer, var_list, state, opts: Options, loss0):
     commit_op = tf.group(*[v.assign(p) for v, p in zip(state, placeholders)])
     return Stepwise(loss_t=loss_out, finite=finite_out, new=new_out, placeholders=placeholders,
                     commit_op=commit_op, loss=loss0, var_list=var_list, state=state, opts=opts,
-                    optimizer=optimizer, step=0)
+                    optimizer=optimizer, step=0, steps_tensor=steps_tensor)
 
 
 def copies_train_op(loss_fn: Callable[[], Any], optimizer, n: int, var_list=None):
