@@ -325,7 +325,7 @@ class Fit:
         self._cap = -(-window // opts.record_every)
         self._notifier: Optional[Notifier] = None
         self._notified_step: Optional[int] = None
-        self._loss_dtype = tf.float32  # set while tracing (`_loss_and_grads`)
+        self._trace_dtype = tf.float32  # the loss dtype of the batch being traced (see `_call`)
         self._callback_error: Optional[BaseException] = None
         self._build()
 
@@ -346,9 +346,9 @@ class Fit:
         self._single = None
         self._concrete = {}  # (program, batch signature) -> the traced function; see `_call`
 
-    def _call(self, program, *args):
-        """``program(*args)`` through the concrete function traced for these arguments'
-        dtypes and shapes.
+    def _call(self, program, head, batch):
+        """``program(*head, *batch)`` through the concrete function traced for these
+        arguments' dtypes and shapes (the losses kept in the batch's loss dtype).
 
         A ``tf.function`` call first matches its arguments against the traced signatures,
         ~140 us of Python a call here; a call of 1-100 steps on the seed is ~0.4 ms in all.
@@ -356,9 +356,11 @@ class Fit:
         1-step call: 253 -> 56 us for the program call alone, best of 15 x 50). Tracing,
         and so ``traces``, is unchanged: ``get_concrete_function`` traces what a call would.
         """
+        args = (*head, *batch)
         key = (program, tuple((a.dtype, tuple(a.shape)) for a in args))
         concrete = self._concrete.get(key)
         if concrete is None:
+            self._trace_dtype = self._loss_dtype(batch)
             concrete = self._concrete[key] = program.get_concrete_function(*args)
         call_flat = getattr(concrete, "_call_flat", None)
         # Not recorded by a tape the caller has open: the call updates variables in place
@@ -369,10 +371,15 @@ class Fit:
                 return concrete(*args)
             return call_flat(list(args), concrete.captured_inputs)
 
-    def _host_losses(self, losses: np.ndarray) -> np.ndarray:
-        """The program's float64 losses as the loss's own precision: float64 for a float64
-        loss, else float32 (exactly the values a float32 buffer would have held)."""
-        return losses if self._loss_dtype == tf.float64 else losses.astype(np.float32)
+    def _loss_dtype(self, batch) -> tf.DType:
+        """The trace's dtype for this batch: float64 for a float64 loss, else float32. Found
+        by tracing the loss alone in a scratch graph (nothing runs), once per batch
+        signature, before the program is traced: inside it the loss is known only within
+        the loop, after its buffers are made."""
+        specs = [tf.TensorSpec(b.shape, b.dtype) for b in batch]
+        loss = tf.function(lambda *b: self._loss_and_grads(b)[0], autograph=False).get_concrete_function(
+            *specs).structured_outputs
+        return tf.float64 if loss.dtype.base_dtype == tf.float64 else tf.float32
 
     def _loss_and_grads(self, batch):
         with tf.GradientTape() as tape:
@@ -395,7 +402,6 @@ class Fit:
                     "expects (count, shapes, dtypes), e.g. fit(x, y) for loss_fn(x, y).") from e
         _check_loss(loss, self.loss_fn)
         loss = tf.convert_to_tensor(loss)
-        self._loss_dtype = loss.dtype  # while tracing: see `_host_losses`
         grads = tape.gradient(loss, self._tf_vars)
         missing = [v.name for v, g in zip(self._tf_vars, grads) if g is None]
         if missing:
@@ -428,10 +434,8 @@ class Fit:
             loss, grads = self._loss_and_grads(batch)
             return loss, self._guarded_update(loss, grads)
 
-        # The loss dtype is known only once loss_fn is traced, inside the loop: the losses
-        # travel as float64 (exact for every float dtype) and `_host_losses` casts them back.
         return _inner_loop(step, m, i0, prev, self.opts, self._cap, xla=self.jit_compile,
-                           dtype=tf.float64)
+                           dtype=self._trace_dtype)
 
     def _whole_py(self, n, *batch):
         self.traces += 1
@@ -444,7 +448,7 @@ class Fit:
         return _outer_loop(lambda m, i0, prev: self._inner(m, i0, prev, *batch), n, step0,
                            self.opts, self._chunk,
                            self._notify_host if self.opts.notify and self._published is None else None,
-                           self._published, speed, dtype=tf.float64)
+                           self._published, speed, dtype=self._trace_dtype)
 
     def _notify_host(self, step, loss):
         step = int(step)
@@ -501,15 +505,15 @@ class Fit:
         whole = self._whole is not None and n <= self._chunk
         if whole:
             def run():
-                buf, count, applied, stop = self._call(self._whole, tf.constant(n, _INT), *batch)
-                return self._host_losses(buf.numpy()[:int(count)]), applied, stop, None
+                buf, count, applied, stop = self._call(self._whole, (tf.constant(n, _INT),), batch)
+                return buf.numpy()[:int(count)], applied, stop, None
         else:
             def run():
                 t0 = time.perf_counter()
                 losses, applied, stop, last = self._call(
-                    self._outer, tf.constant(n, _INT), tf.constant(start, tf.int64),
-                    tf.constant(self._steps_per_second, tf.float64), *batch)
-                losses = self._host_losses(losses.numpy())
+                    self._outer, (tf.constant(n, _INT), tf.constant(start, tf.int64),
+                                  tf.constant(self._steps_per_second, tf.float64)), batch)
+                losses = losses.numpy()
                 if self._published is not None and int(applied):
                     self._steps_per_second = int(applied) / (time.perf_counter() - t0)
                 return losses, applied, stop, last
