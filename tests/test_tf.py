@@ -76,6 +76,28 @@ def test_float64_losses_stay_float64_and_tol_compares_them(jit, data):
     assert fit(*data).loss.dtype == np.float32
 
 
+@pytest.mark.parametrize("mode, jit", [("fused", True), ("fused", False), ("stepwise", False)])
+def test_refused_step_leaves_batchnorm_statistics_as_before_it(mode, jit, data):
+    """A NaN in the batch makes the forward pass write NaN moving statistics before the
+    update is refused: they are put back with the parameters (the model was passed whole)."""
+    x, y = data
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(4), keras.layers.BatchNormalization(),
+                              keras.layers.Dense(2)])
+    ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    fit = sf.fuse(lambda a, b: ce(b, model(a, training=True)), keras.optimizers.Adam(0.01), model, steps=3,
+                  mode=mode, jit_compile=jit)
+    assert fit(x, y).steps == 3
+    before = values(model.variables)
+    bad = x.numpy().copy()
+    bad[0, 0] = np.nan
+    trace = fit(bad, y)
+    assert trace.stop == Stop.NONFINITE and trace.steps == 0
+    for a, b in zip(values(model.variables), before):
+        np.testing.assert_array_equal(a, b)
+    assert fit(x, y).stop == Stop.STEPS and np.isfinite(float(ce(y, model(x, training=False))))
+
+
 def test_seed_table_three_step_rows_equal_every_third_one_step_row(data):
     x, y = data
     one = Perceptron()

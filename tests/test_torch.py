@@ -357,6 +357,20 @@ def test_probe_changes_neither_batchnorm_statistics_nor_the_random_state():
     assert_close_lists([bn.running_mean, bn.running_var], [ref_bn.running_mean, ref_bn.running_var])
 
 
+def test_refused_step_leaves_batchnorm_statistics_as_before_it():
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    fit = sf.fuse(lambda x, y: torch.nn.functional.cross_entropy(model(x), y),
+                  torch.optim.Adam(model.parameters(), lr=0.01), steps=3, mode="stepwise")
+    assert fit(X, Y).steps == 3
+    before = [t.detach().clone() for t in model.state_dict().values()]
+    bad = X.clone()
+    bad[0, 0] = math.nan
+    trace = fit(bad, Y)
+    assert trace.stop == Stop.NONFINITE and trace.steps == 0
+    assert_close_lists(list(model.state_dict().values()), before, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("change", ["add_param_group", "freeze"])
 def test_parameters_changed_after_fuse_are_refused_and_nothing_moves(change):
     body, head = torch.nn.Linear(2, 4), torch.nn.Linear(4, 2)

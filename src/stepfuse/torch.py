@@ -206,6 +206,12 @@ def _needs_closure(optimizer) -> bool:
     return closure is not None and closure.default is inspect.Parameter.empty
 
 
+def _put_back(held) -> None:
+    with torch.no_grad():
+        for b, v in held:
+            b.copy_(v)
+
+
 def _all_finite(tensors) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors
                if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()))
@@ -626,18 +632,21 @@ class FusedFit:
                                 "of loss_fn (nothing was run or changed).") from None
         # The probe's forward must change nothing: BatchNorm's running statistics and the
         # random state (dropout) are put back as they were.
-        buffers = {id(b): b for m in self._modules for b in m.buffers()}
-        saved = [(b, b.detach().clone()) for b in buffers.values()]
+        saved = self._hold_buffers()
         cuda = sorted({t.device.index or 0 for t in (*self._params, *batch)
                        if isinstance(t, torch.Tensor) and t.is_cuda})
         try:
             with torch.random.fork_rng(devices=cuda):
                 self._check_loss(batch)
         finally:
-            with torch.no_grad():
-                for b, v in saved:
-                    b.copy_(v)
+            _put_back(saved)
         self._probed.add(sig)
+
+    def _hold_buffers(self) -> list:
+        """``(buffer, copy)`` for the modules' buffers (BatchNorm statistics ...), which a
+        forward pass changes: the probe and a refused step put them back."""
+        buffers = {id(b): b for m in self._modules for b in m.buffers()}
+        return [(b, b.detach().clone()) for b in buffers.values()]
 
     def _check_loss(self, batch) -> None:
         """Run ``loss_fn`` on ``batch`` once and check what it returns (see `_probe`)."""
@@ -790,9 +799,11 @@ class FusedFit:
 
     def _propose(self, batch):
         params, opt = self._params, self.optimizer
+        held = self._hold_buffers()
         loss = self._loss_and_grads(batch)
         finite = bool(torch.isfinite(loss)) and _all_finite(p.grad for p in params)
-        if not finite:
+        if not finite:  # refused: the buffers too stay as before the step
+            _put_back(held)
             return loss.item(), False, None
         old_p = [p.detach().clone() for p in params]
         old_s = _snapshot(opt, params)
@@ -814,6 +825,8 @@ class FusedFit:
             for p, v in zip(params, old_p):
                 p.copy_(v)
         _restore(opt, params, old_s)
+        if not finite:
+            _put_back(held)
         return loss.item(), finite, (new_p, new_s)
 
     def _commit(self, token) -> None:

@@ -295,7 +295,7 @@ class Fit:
     ``variables`` and ``optimizer``.
     """
 
-    def __init__(self, loss_fn, optimizer, variables, opts: Options, jit_compile: bool):
+    def __init__(self, loss_fn, optimizer, variables, opts: Options, jit_compile: bool, held=()):
         self.loss_fn, self.optimizer, self.variables, self.opts = loss_fn, optimizer, variables, opts
         self.jit_compile = bool(jit_compile)
         self.step = 0
@@ -306,6 +306,10 @@ class Fit:
             optimizer.build(variables)
         # Everything a refused update must leave untouched: parameters and optimizer state.
         self._state = self._tf_vars + [_tf_var(v) for v in optimizer.variables]
+        # The model's other variables that the forward pass may change: read before it and
+        # put back with the rest when a step is refused (see `fuse`).
+        ids = {id(v) for v in self._state}
+        self._held = [t for t in map(_tf_var, held) if id(t) not in ids]
         self._chunk = max(opts.steps, _TF2_MIN_CHUNK)  # steps one (XLA) inner loop runs at most
         # A progress bar alone needs no synchronous host call: the loop publishes
         # (step, loss) in this variable and a thread reads it (see `Notifier.watch`).
@@ -418,12 +422,13 @@ class Fit:
         new = [v.read_value() for v in self._state]
         return snapshot, new, _all_finite([loss, *grads, *new])
 
-    def _guarded_update(self, loss, grads):
-        """Apply the optimizer's update; undo it (state and counters) if anything is non-finite."""
+    def _guarded_update(self, loss, grads, held=()):
+        """Apply the optimizer's update; undo it (state and counters, and ``held``: the
+        model's other variables as read before the forward pass) if anything is non-finite."""
         snapshot, _, ok = self._apply_checked(loss, grads)
 
         def restore():
-            for v, old in zip(self._state, snapshot):
+            for v, old in zip(self._state + self._held, snapshot + list(held)):
                 v.assign(old)
             return tf.constant(False)
 
@@ -431,8 +436,9 @@ class Fit:
 
     def _inner_py(self, m, i0, prev, *batch):
         def step():
+            held = [v.read_value() for v in self._held]
             loss, grads = self._loss_and_grads(batch)
-            return loss, self._guarded_update(loss, grads)
+            return loss, self._guarded_update(loss, grads, held)
 
         return _inner_loop(step, m, i0, prev, self.opts, self._cap, xla=self.jit_compile,
                            dtype=self._trace_dtype)
@@ -540,11 +546,14 @@ class Fit:
     # -- the stepwise reference -------------------------------------------------------
 
     def _propose_py(self, *batch):
+        held = [v.read_value() for v in self._held]
         loss, grads = self._loss_and_grads(batch)
         snapshot, new, finite = self._apply_checked(loss, grads)
         with tf.control_dependencies(new):
             for v, old in zip(self._state, snapshot):
                 v.assign(old)
+        # A refused step also leaves the model's other variables as they were before it.
+        tf.cond(finite, tf.no_op, lambda: tf.group(*[v.assign(o) for v, o in zip(self._held, held)]))
         return loss, finite, new
 
     def _commit_py(self, new):
@@ -637,11 +646,15 @@ def fuse(
         _fail(TypeError, "loss_fn", loss_fn, "callable as loss_fn(*batch) -> scalar tensor",
               "Pass a function that reads the variables and returns the loss.")
     _check_optimizer(optimizer)
+    # A model's non-trainable variables (BatchNorm statistics, dropout seeds) change in the
+    # forward pass: a refused step puts them back too.
+    held = list(getattr(variables, "non_trainable_variables", None) or []) \
+        if not isinstance(variables, (list, tuple)) else []
     variables = _check_variables(variables)
     if not isinstance(jit_compile, bool):
         _fail(TypeError, "jit_compile", jit_compile, "True or False",
               "Pass jit_compile=False to run the loop without XLA.")
-    return Fit(loss_fn, optimizer, variables, opts, jit_compile)
+    return Fit(loss_fn, optimizer, variables, opts, jit_compile, held=held)
 
 
 fuse.__doc__ = fuse.__doc__.replace("    {options}", textwrap.indent(OPTIONS_DOC, "  "))
