@@ -535,3 +535,20 @@ def test_state_that_is_not_a_fitstate():
     fit = sf.fuse(perceptron_loss, optax.sgd(0.1), steps=3)
     with pytest.raises(TypeError, match="`state`.*fit.init"):
         fit(perceptron_init(), X, Y)
+
+
+def test_optax_extra_args_benchmark_script_checks_and_times_every_optimizer(capsys):
+    # benchmarks/optax_extra_args.py on its smallest settings: each optimizer's fused run
+    # agrees with optax's per-step loop (the script asserts it) and gets a row.
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "optax_extra_args.py"
+    spec = importlib.util.spec_from_file_location("optax_extra_args", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main(["--steps", "5", "--rounds", "1"])
+    out = capsys.readouterr().out
+    for name in script.OPTIMIZERS:
+        assert name in out
+    assert out.count("ratio") == len(script.OPTIMIZERS)
