@@ -1,6 +1,7 @@
 """JAX backend: fused calls against optax's own stepwise loop (`optax.update` per step)."""
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -552,3 +553,97 @@ def test_optax_extra_args_benchmark_script_checks_and_times_every_optimizer(caps
     for name in script.OPTIMIZERS:
         assert name in out
     assert out.count("ratio") == len(script.OPTIMIZERS)
+
+
+# -- found by probing: tol rounding, transforms, sharding ------------------------------------
+
+
+def test_tol_is_not_rounded_up_to_the_loss_dtype():
+    """Losses 1.0, 0.75, ... (steps of exactly 0.25), tol just below 0.25: no step may stop.
+    As a float32, tol would round to 0.25 and the fused loop stopped after 2 steps."""
+    fit = sf.fuse(lambda w: jnp.sum(w), optax.sgd(0.25), steps=5, tol=0.25 - 1e-12)
+    ref = sf.fuse(lambda w: jnp.sum(w), optax.sgd(0.25), steps=5, tol=0.25 - 1e-12, mode="stepwise")
+    (_, trace), (_, expect) = fit(fit.init(jnp.ones(1)), ), ref(ref.init(jnp.ones(1)))
+    assert trace.stop == expect.stop == Stop.STEPS and trace.steps == expect.steps == 5
+    np.testing.assert_array_equal(trace.loss, expect.loss)
+
+
+def test_grad_of_vmap_of_fit_needs_no_flag():
+    fit = sf.fuse(quadratic, optax.sgd(0.02, momentum=0.5), steps=5)
+
+    def final_loss(w0, target):
+        return fit(fit.init(w0), target)[1].loss[-1]
+
+    w0, target = jnp.array([[1.0, -2.0, 0.5], [0.3, 0.1, -1.0]]), jnp.array([0.5, 1.5, -0.5])
+    got = jax.grad(lambda w: jnp.sum(jax.vmap(final_loss, (0, None))(w, target)))(w0)
+    want = jnp.stack([jax.grad(final_loss)(w, target) for w in w0])
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_differentiable_fit_compiles_once_for_every_steps():
+    """API.md: any steps=n <= the built steps runs without recompiling, also for the
+    reverse-differentiable scan (it compiled once per n)."""
+    fit = sf.fuse(quadratic, optax.sgd(0.02), steps=8, differentiable=True)
+    w0, target = jnp.array([1.0, -2.0, 0.5]), jnp.array([0.5, 1.5, -0.5])
+    ref = sf.fuse(quadratic, optax.sgd(0.02), steps=8, mode="stepwise")
+    for n in (1, 3, 8, 2):
+        (_, trace), (_, expect) = fit(fit.init(w0), target, steps=n), ref(ref.init(w0), target, steps=n)
+        assert trace.steps == n
+        np.testing.assert_allclose(trace.loss, expect.loss, rtol=RTOL)
+    assert fit._fused._cache_size() == 1  # one compiled program (jax.jit's own cache)
+    grads = [jax.grad(lambda w: fit(fit.init(w), target, steps=n)[1].loss[n - 1])(w0) for n in (2, 5)]
+    assert not np.allclose(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_jit_closing_over_every_input_reraises_callback_errors_and_keeps_low_precision(dtype):
+    seen = []
+
+    def cb(step, loss):
+        seen.append(step)
+        if step == 4:
+            raise RuntimeError("callback failed at step 4")
+
+    fit = sf.fuse(quadratic, optax.sgd(0.1), steps=10, callback=cb, every=2)
+    s0, target = fit.init(jnp.array([3.0, -2.0, 1.0], dtype)), jnp.array([1.0, 1.0, 1.0], dtype)
+    with pytest.raises(Exception, match="callback failed at step 4"):
+        jax.block_until_ready(jax.jit(lambda: fit(s0, target))())
+    quiet = sf.fuse(quadratic, optax.sgd(0.1), steps=10)
+    state, trace = jax.jit(lambda: quiet(quiet.init(jnp.array([3.0, -2.0, 1.0], dtype)), target))()
+    assert int(trace.steps) == 10 and trace.loss.dtype == dtype
+
+
+def test_on_nonfinite_raise_under_jit_warns_that_it_cannot_raise():
+    fit = sf.fuse(diverging_loss, optax.sgd(1e30), steps=20, on_nonfinite="raise")
+    state = fit.init(jnp.array([1.0, 2.0]))
+    with pytest.warns(RuntimeWarning, match="cannot raise inside jax.jit"):
+        _, trace = jax.jit(fit)(state, jnp.ones(2), jnp.zeros(2))
+    assert int(trace.stop) == Stop.NONFINITE
+
+
+def test_callbacks_with_inputs_sharded_over_devices(tmp_path):
+    """stepfuse's own host target has no sharding; inputs on several devices go through
+    jax.debug.callback (XLA refused the program before). Two CPU devices, in a subprocess."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "sharded.py"
+    script.write_text(textwrap.dedent("""
+        import numpy as np, jax, jax.numpy as jnp, optax, stepfuse.jax as sf
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        mesh = Mesh(np.array(jax.devices()), ("d",))
+        x = jax.device_put(jnp.arange(32.0).reshape(8, 4) / 32, NamedSharding(mesh, P("d", None)))
+        y = jax.device_put(jnp.arange(8.0) / 8, NamedSharding(mesh, P("d")))
+        seen = []
+        fit = sf.fuse(lambda w, x, y: jnp.mean((x @ w - y) ** 2), optax.adam(0.1), steps=6,
+                      callback=lambda s, l: seen.append(s), every=2)
+        plain = sf.fuse(lambda w, x, y: jnp.mean((x @ w - y) ** 2), optax.adam(0.1), steps=6)
+        (_, a), (_, b) = fit(fit.init(jnp.zeros(4)), x, y), plain(plain.init(jnp.zeros(4)), x, y)
+        assert len(jax.devices()) == 2 and a.steps == 6 and seen == [2, 4, 6], (a, seen)
+        np.testing.assert_array_equal(a.loss, b.loss)
+        print("ok")
+    """))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

@@ -14,6 +14,7 @@ import contextlib
 import inspect
 import struct
 import time
+import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, NamedTuple, Optional
 
@@ -160,9 +161,38 @@ def _select(pred, on_true, on_false):
 
 
 def _wants_reverse_mode(leaves) -> bool:
-    """Whether the leaves are being differentiated (``jax.grad`` / ``jax.jvp`` tracers)."""
-    return any(type(x).__name__ in ("JVPTracer", "LinearizeTracer")
-               for x in leaves if isinstance(x, jax.core.Tracer))
+    """Whether the leaves are being differentiated (``jax.grad`` / ``jax.jvp`` tracers),
+    also beneath ``jax.vmap``'s batch tracers (``jax.grad(jax.vmap(fit))``)."""
+    for x in leaves:
+        while isinstance(x, jax.core.Tracer):
+            if type(x).__name__ in ("JVPTracer", "LinearizeTracer"):
+                return True
+            x = getattr(x, "val", None)  # a BatchTracer's batched value
+    return False
+
+
+def _spans_devices(leaves) -> bool:
+    """Whether any array is placed on more than one device (sharded or replicated)."""
+    return any(len(getattr(getattr(x, "sharding", None), "device_set", ())) > 1 for x in leaves)
+
+
+def _inside_a_trace() -> bool:
+    """Whether a JAX transformation is tracing the caller (even one that closes over every
+    input, so no argument is a tracer)."""
+    try:
+        from jax._src.core import trace_state_clean
+    except ImportError:  # pragma: no cover - a JAX without it: any op is staged under a trace
+        return isinstance(jnp.zeros((), jnp.int32), jax.core.Tracer)
+    return not trace_state_clean()
+
+
+def _tol_below(tol: float, dtype) -> np.ndarray:
+    """``tol`` as the largest value of ``dtype`` not above it. The loop compares
+    ``abs(loss[i] - loss[i-1]) <= tol`` in the loss dtype, where a Python float would be
+    rounded to the nearest value, which may be above ``tol`` and stop a step early."""
+    dtype = np.dtype(np.float64 if np.dtype(dtype) == np.float64 else np.float32)
+    t = np.asarray(tol, dtype)
+    return np.nextafter(t, dtype.type(-np.inf)) if float(t) > tol else t
 
 
 def _inputs_reaching_output(jaxpr) -> list:
@@ -273,15 +303,25 @@ class Fit:
         if self.opts.mode == "stepwise":
             return self._run_stepwise(state, batch, n)
         leaves = jax.tree_util.tree_leaves((state, batch))
-        traced = any(isinstance(x, jax.core.Tracer) for x in leaves)
-        scan_steps = n if (self.differentiable or (traced and _wants_reverse_mode(leaves))) else None
+        # Inside a user's transform: a tracer among the inputs, or a jax.jit that closes over
+        # them all (its callbacks must then go through JAX, which re-raises their errors).
+        traced = any(isinstance(x, jax.core.Tracer) for x in leaves) or _inside_a_trace()
+        # Reverse-differentiable: a scan of the built `steps`, those past `n` masked, so every
+        # `steps=n` runs the same program.
+        scan_steps = (self.opts.steps if (self.differentiable or (traced and _wants_reverse_mode(leaves)))
+                      else None)
         notify = self.opts.notify and not traced
+        if traced and self.opts.on_nonfinite == "raise":
+            warnings.warn("stepfuse.jax: on_nonfinite='raise' cannot raise inside jax.jit / jax.vmap "
+                          "(the trace stays on the device there); check trace.stop == Stop.NONFINITE.",
+                          RuntimeWarning, stacklevel=2)
         self._callback_error = None
         with self._notify(int(state.step) if notify else None, n):
             # Outside any user transform the loop reaches the host through stepfuse's own
             # FFI target (measured on XLA:CPU: ~20 us per callback in this loop against ~100-200
             # us for jax.debug.callback); inside one, jax.debug.callback.
-            host_id = self._host_id if notify else None
+            # (stepfuse's target has no sharding: inputs over several devices use JAX's callback)
+            host_id = self._host_id if notify and not _spans_devices(leaves) else None
             t0 = time.perf_counter()
             m, period = np.int32(n), self._period(notify)
             if not traced:
@@ -406,6 +446,7 @@ class Fit:
         # notifications in the masked scan): one kernel less a step on XLA:CPU (2-3% on
         # the seed). The chunked loop's notifications read it back from the trace.
         keep_loss = opts.tol is not None or (opts.notify and scan_steps is not None)
+        tol = None if opts.tol is None else _tol_below(opts.tol, loss.dtype)
         aux0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), loss.aux_shape)
         carry = (jnp.int32(0), params, opt_state, jnp.full((size + 1,), jnp.nan, loss.dtype),
                  jnp.array(jnp.nan, loss.dtype), jnp.int32(_RUNNING), aux0)
@@ -421,7 +462,8 @@ class Fit:
                 params, opt_state = _select(finite, (new_params, new_opt), (params, opt_state))
                 stop = jnp.where(finite, _RUNNING, Stop.NONFINITE)
                 if opts.tol is not None:
-                    converged = finite & (i > 0) & (jnp.abs(value - prev) <= opts.tol)
+                    diff = jnp.abs(value - prev).astype(tol.dtype)
+                    converged = finite & (i > 0) & (diff <= tol)
                     stop = jnp.where(converged, Stop.TOL, stop)
                 last = value if keep_loss else prev
                 return i + 1, params, opt_state, buf, last, jnp.int32(stop), aux
@@ -564,9 +606,10 @@ def fuse(
     {options}
       has_aux: ``loss_fn`` returns ``(loss, aux)``; the call returns the aux of the
         last evaluated step as a third value.
-      differentiable: run the loop as a ``lax.scan`` of exactly ``steps`` iterations
-        (finished ones masked) so that ``jax.grad`` can go through it in reverse mode;
-        each distinct ``steps`` compiles once. Chosen automatically when ``fit`` is
+      differentiable: run the loop as a ``lax.scan`` of the built ``steps`` iterations
+        (those past a call's ``steps=n``, and finished ones, masked) so that ``jax.grad``
+        can go through it in reverse mode; one program serves every ``n`` (a call costs
+        the built ``steps`` iterations, masked ones cheap). Chosen automatically when ``fit`` is
         called directly under ``jax.grad``; set it when ``fit`` sits inside a
         ``jax.jit`` that is then differentiated.
       compiler_options: XLA options for the fused program and the stepwise
