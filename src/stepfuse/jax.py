@@ -176,14 +176,17 @@ def _spans_devices(leaves) -> bool:
     return any(len(getattr(getattr(x, "sharding", None), "device_set", ())) > 1 for x in leaves)
 
 
+try:
+    from jax._src.core import trace_state_clean as _trace_state_clean
+except ImportError:  # pragma: no cover - a JAX without it: under a trace any op is staged
+    def _trace_state_clean() -> bool:
+        return not isinstance(jnp.zeros((), jnp.int32), jax.core.Tracer)
+
+
 def _inside_a_trace() -> bool:
     """Whether a JAX transformation is tracing the caller (even one that closes over every
     input, so no argument is a tracer)."""
-    try:
-        from jax._src.core import trace_state_clean
-    except ImportError:  # pragma: no cover - a JAX without it: any op is staged under a trace
-        return isinstance(jnp.zeros((), jnp.int32), jax.core.Tracer)
-    return not trace_state_clean()
+    return not _trace_state_clean()
 
 
 def _tol_below(tol: float, dtype) -> np.ndarray:
