@@ -647,3 +647,32 @@ def test_callbacks_with_inputs_sharded_over_devices(tmp_path):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_callbacks_get_float64_losses_whole_under_x64(tmp_path):
+    """With jax_enable_x64, a float64 loss reaches the callback as float64 (it went as
+    float32: rounded, and inf beyond float32's range), through stepfuse's host target
+    and through jax.debug.callback (vmap). In a subprocess (x64 is process-wide)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "x64.py"
+    script.write_text(textwrap.dedent("""
+        import jax, jax.numpy as jnp, numpy as np, optax, stepfuse.jax as sf
+        assert jax.config.jax_enable_x64
+        for offset in (1e-10, 1e300):  # rounded away as float32; inf as float32
+            seen = []
+            fit = sf.fuse(lambda w: jnp.sum(w ** 2) + offset, optax.sgd(0.1), steps=4,
+                          callback=lambda s, l: seen.append(l), every=1)
+            _, trace = fit(fit.init(jnp.array([1.0], jnp.float64)))
+            assert trace.loss.dtype == np.float64 and trace.steps == 4 and np.all(np.isfinite(trace.loss))
+            np.testing.assert_array_equal(seen, trace.loss)  # the loss of each notified step
+            seen.clear()
+            jax.vmap(lambda s: fit(s)[1].loss)(jax.vmap(fit.init)(jnp.ones((1, 1), jnp.float64)))
+            np.testing.assert_array_equal(seen, trace.loss)
+        print("ok")
+    """))
+    env = {**os.environ, "JAX_ENABLE_X64": "1", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

@@ -395,9 +395,12 @@ class Fit:
 
     def _dispatch(self, packed):
         """The host side of the in-loop callback through ``jax.debug.callback``: an int32
-        array of (step, float32 bits of the loss, hit), one row per model under vmap."""
-        packed = np.asarray(packed, np.int32).reshape(-1, 3)
-        for s, l, h in zip(packed[:, 0], packed[:, 1].view(np.float32), packed[:, 2]):
+        array of (step, hit, the loss's bits: one int for a float32 loss, two for float64),
+        one row per model under vmap."""
+        packed = np.asarray(packed, np.int32)
+        packed = packed.reshape(-1, packed.shape[-1])
+        losses = np.ascontiguousarray(packed[:, 2:]).view(np.float32 if packed.shape[1] == 3 else np.float64)
+        for s, h, l in zip(packed[:, 0], packed[:, 1], losses[:, 0]):
             if self._callback_error is not None:
                 return
             if h:
@@ -405,10 +408,11 @@ class Fit:
 
     def _from_host(self, values):
         """The host side of the FFI path (one model, outside user transforms): the ints
-        (step, float32 bits of the loss, hit)."""
-        step, bits, hit = values
+        (step, hit, the loss's bits: one int for a float32 loss, two for float64)."""
+        step, hit, *bits = values
         if hit and self._callback_error is None:
-            self._deliver(step, struct.unpack("<f", struct.pack("<i", bits))[0])
+            fmt = "<f" if len(bits) == 1 else "<d"
+            self._deliver(step, struct.unpack(fmt, struct.pack(f"<{len(bits)}i", *bits))[0])
 
     def _deliver(self, step, loss) -> None:
         """One notification.
@@ -494,10 +498,13 @@ class Fit:
             hit = (applied(c) > applied(before)) & ((step0 + applied(c)) % period == 0)
             # Fire and forget: a callback whose result fed back into the loop would make the
             # device wait on the host (measured: ~4 ms of CPU per callback on XLA:CPU).
-            # One int32 array (step, float32 bits of the loss, hit): every argument of a host
-            # callback costs ~50 us on XLA:CPU, so the three values travel as one.
-            loss32 = jax.lax.bitcast_convert_type(last_loss(c).astype(jnp.float32), jnp.int32)
-            packed = jnp.stack([step0 + applied(c), loss32, hit.astype(jnp.int32)])
+            # One int32 array (step, hit, the loss's bits): every argument of a host callback
+            # costs ~50 us on XLA:CPU, so the values travel as one. A float64 loss keeps its
+            # precision (two ints), any other is exact as a float32.
+            value = last_loss(c)
+            value = value if value.dtype == jnp.float64 else value.astype(jnp.float32)
+            bits = jnp.ravel(jax.lax.bitcast_convert_type(value, jnp.int32))
+            packed = jnp.concatenate([jnp.stack([step0 + applied(c), hit.astype(jnp.int32)]), bits])
             if host_id is not None:
                 _jax_host.send(host_id, packed)
             else:
