@@ -621,9 +621,10 @@ def test_on_nonfinite_raise_under_jit_warns_that_it_cannot_raise():
     assert int(trace.stop) == Stop.NONFINITE
 
 
-def test_callbacks_with_inputs_sharded_over_devices(tmp_path):
+def test_sharded_inputs_with_callbacks_and_one_model_per_device(tmp_path):
     """stepfuse's own host target has no sharding; inputs on several devices go through
-    jax.debug.callback (XLA refused the program before). Two CPU devices, in a subprocess."""
+    jax.debug.callback (XLA refused the program before); and one model per device under
+    shard_map (the while_loop refused its carry). Two CPU devices, in a subprocess."""
     import subprocess
     import sys
     import textwrap
@@ -642,6 +643,15 @@ def test_callbacks_with_inputs_sharded_over_devices(tmp_path):
         (_, a), (_, b) = fit(fit.init(jnp.zeros(4)), x, y), plain(plain.init(jnp.zeros(4)), x, y)
         assert len(jax.devices()) == 2 and a.steps == 6 and seen == [2, 4, 6], (a, seen)
         np.testing.assert_array_equal(a.loss, b.loss)
+        # one model per device under shard_map (the carry starts varying over the mesh axis)
+        opt, t = optax.adam(0.1), jnp.array([1.0, 1.0])
+        loss = lambda w, t: jnp.sum((w - t) ** 2)
+        per = sf.fuse(loss, opt, steps=5)
+        run = jax.jit(jax.shard_map(lambda w: per(per.init(w[0]), t)[0].params[None], mesh=mesh,
+                                    in_specs=P("d"), out_specs=P("d")))
+        W = jnp.arange(4.0).reshape(2, 2)
+        want = jnp.stack([per(per.init(w), t)[0].params for w in W])
+        np.testing.assert_allclose(run(W), want, rtol=1e-6)
         print("ok")
     """))
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}

@@ -183,6 +183,31 @@ except ImportError:  # pragma: no cover - a JAX without it: under a trace any op
         return not isinstance(jnp.zeros((), jnp.int32), jax.core.Tracer)
 
 
+def _varying_like(tree, inputs):
+    """``tree`` made varying over every manual mesh axis any of ``inputs`` varies over.
+
+    Under ``jax.shard_map`` with one model per device, the parameters vary across devices;
+    after one step so does everything in the loop that depends on them (the counters, the
+    loss buffer, a count in the optimizer state), and ``while_loop`` wants its carry's
+    types to stay the same, so the carry starts varying. Elsewhere nothing changes."""
+    if not (hasattr(jax, "typeof") and hasattr(jax.lax, "pcast")):
+        return tree
+    def vma(x):  # the manual axes x varies over (`.vma` in some JAX versions)
+        t = jax.typeof(x)
+        return frozenset(getattr(getattr(t, "manual_axis_type", None), "varying", None)
+                         or getattr(t, "vma", None) or ())
+
+    axes = frozenset().union(*map(vma, jax.tree_util.tree_leaves(inputs)))
+    if not axes:
+        return tree
+
+    def vary(x):
+        missing = tuple(sorted(axes - vma(x)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree_util.tree_map(vary, tree)
+
+
 def _inside_a_trace() -> bool:
     """Whether a JAX transformation is tracing the caller (even one that closes over every
     input, so no argument is a tracer)."""
@@ -457,6 +482,7 @@ class Fit:
         aux0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), loss.aux_shape)
         carry = (jnp.int32(0), params, opt_state, jnp.full((size + 1,), jnp.nan, loss.dtype),
                  jnp.array(jnp.nan, loss.dtype), jnp.int32(_RUNNING), aux0)
+        carry = _varying_like(carry, (params, opt_state, batch))
 
         def make_body(first, unrecorded):
             """One step; its loss goes to ``buf[i // k - first]`` or, off the record, to ``buf[unrecorded]``."""
