@@ -621,16 +621,25 @@ def test_on_nonfinite_raise_under_jit_warns_that_it_cannot_raise():
     assert int(trace.stop) == Stop.NONFINITE
 
 
-def test_sharded_inputs_with_callbacks_and_one_model_per_device(tmp_path):
-    """stepfuse's own host target has no sharding; inputs on several devices go through
-    jax.debug.callback (XLA refused the program before); and one model per device under
-    shard_map (the while_loop refused its carry). Two CPU devices, in a subprocess."""
+def run_script(tmp_path, source: str, **env) -> None:
+    """Run ``source`` in a fresh Python on the CPU with ``env`` added (JAX's device count and
+    x64 are fixed per process); it must print "ok" last."""
     import subprocess
     import sys
     import textwrap
 
-    script = tmp_path / "sharded.py"
-    script.write_text(textwrap.dedent("""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(source))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu", **env})
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_sharded_inputs_with_callbacks_and_one_model_per_device(tmp_path):
+    """stepfuse's own host target has no sharding; inputs on several devices go through
+    jax.debug.callback (XLA refused the program before); and one model per device under
+    shard_map (the while_loop refused its carry). Two CPU devices, in a subprocess."""
+    run_script(tmp_path, """
         import numpy as np, jax, jax.numpy as jnp, optax, stepfuse.jax as sf
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
         mesh = Mesh(np.array(jax.devices()), ("d",))
@@ -653,22 +662,14 @@ def test_sharded_inputs_with_callbacks_and_one_model_per_device(tmp_path):
         want = jnp.stack([per(per.init(w), t)[0].params for w in W])
         np.testing.assert_allclose(run(W), want, rtol=1e-6)
         print("ok")
-    """))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+    """, XLA_FLAGS="--xla_force_host_platform_device_count=2")
 
 
 def test_callbacks_get_float64_losses_whole_under_x64(tmp_path):
     """With jax_enable_x64, a float64 loss reaches the callback as float64 (it went as
     float32: rounded, and inf beyond float32's range), through stepfuse's host target
     and through jax.debug.callback (vmap). In a subprocess (x64 is process-wide)."""
-    import subprocess
-    import sys
-    import textwrap
-
-    script = tmp_path / "x64.py"
-    script.write_text(textwrap.dedent("""
+    run_script(tmp_path, """
         import jax, jax.numpy as jnp, numpy as np, optax, stepfuse.jax as sf
         assert jax.config.jax_enable_x64
         for offset in (1e-10, 1e300):  # rounded away as float32; inf as float32
@@ -682,7 +683,4 @@ def test_callbacks_get_float64_losses_whole_under_x64(tmp_path):
             jax.vmap(lambda s: fit(s)[1].loss)(jax.vmap(fit.init)(jnp.ones((1, 1), jnp.float64)))
             np.testing.assert_array_equal(seen, trace.loss)
         print("ok")
-    """))
-    env = {**os.environ, "JAX_ENABLE_X64": "1", "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+    """, JAX_ENABLE_X64="1")

@@ -331,9 +331,9 @@ class Fit:
         if self.opts.mode == "stepwise":
             return self._run_stepwise(state, batch, n)
         leaves = jax.tree_util.tree_leaves((state, batch))
-        # Inside a user's transform: a tracer among the inputs, or a jax.jit that closes over
-        # them all (its callbacks must then go through JAX, which re-raises their errors).
-        traced = any(isinstance(x, jax.core.Tracer) for x in leaves) or _inside_a_trace()
+        # Inside a user's transform (also a jax.jit that closes over every input, so that no
+        # argument is a tracer): its callbacks go through JAX, which re-raises their errors.
+        traced = _inside_a_trace()
         # Reverse-differentiable: a scan of the built `steps`, those past `n` masked, so every
         # `steps=n` runs the same program.
         scan_steps = (self.opts.steps if (self.differentiable or (traced and _wants_reverse_mode(leaves)))
@@ -356,11 +356,7 @@ class Fit:
                 m, period = self._int32(m), self._int32(period)
             state, out, aux = self._fused(state, batch, m, period,
                                           scan_steps=scan_steps, host_id=host_id, pack=not traced)
-            if isinstance(out, jax.core.Tracer):  # packed, under a user's jit that closed
-                traced = True                      # over every input: decoded in the graph
-                buf = jax.lax.bitcast_convert_type(out[:-2], _FLOAT_OF[np.dtype(out.dtype)])
-                applied, stop = out[-2], out[-1]
-            elif not isinstance(out, tuple):  # packed: one transfer to the host (see `_run`)
+            if not isinstance(out, tuple):  # packed: one transfer to the host (see `_run`)
                 out = np.asarray(out)
                 buf = out[:-2].view(np.float32 if out.dtype == np.int32 else _FLOAT_OF[out.dtype])
                 applied, stop = out[-2:].tolist()

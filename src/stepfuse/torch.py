@@ -137,6 +137,8 @@ _RULES: Dict[type, Tuple[Callable, Callable, bool]] = {
     torch.optim.Adagrad: (_adagrad_keys, _adagrad_update, False),  # reads `step` on the host
 }
 SUPPORTED_OPTIMIZERS = tuple(c.__name__ for c in _RULES)
+"""The ``torch.optim`` classes the fused mode runs; any other optimizer runs stepwise."""
+
 # The options of each class that its rule reads; an optimizer whose class has any other
 # (a newer torch's) runs stepwise rather than silently without it.
 _HANDLED = {
@@ -146,7 +148,6 @@ _HANDLED = {
     torch.optim.Adagrad: {"lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps", "maximize"},
 }
 _HANDLED[torch.optim.AdamW] = _HANDLED[torch.optim.Adam]
-"""The ``torch.optim`` classes the fused mode runs; any other optimizer runs stepwise."""
 
 _IGNORED_GROUP_KEYS = ("params", "foreach", "fused", "capturable", "differentiable", "initial_lr")
 
@@ -427,9 +428,8 @@ class FusedFit:
         if unhandled:
             return (f"the fused {type(self.optimizer).__name__} rule does not read its option(s) "
                     f"{', '.join(unhandled)}.")
-        modules = [model] if model is not None else _find_modules(self.loss_fn)
         names: Dict[int, str] = {}
-        wrapper = _LossModule(self.loss_fn, modules)
+        wrapper = _LossModule(self.loss_fn, self._modules)
         for name, p in wrapper.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), name)
         missing = [i for i, p in enumerate(self._params) if id(p) not in names]
@@ -807,24 +807,25 @@ class FusedFit:
             return loss.item(), False, None
         old_p = [p.detach().clone() for p in params]
         old_s = _snapshot(opt, params)
+
+        def undo():  # parameters and state as before this step
+            with torch.no_grad():
+                for p, v in zip(params, old_p):
+                    p.copy_(v)
+            _restore(opt, params, old_s)
+
         try:
             if self._needs_closure:  # e.g. LBFGS, which re-evaluates the loss within its step
                 opt.step(lambda: self._loss_and_grads(batch))
             else:
                 opt.step()
-        except BaseException:  # as they were before this step
-            with torch.no_grad():
-                for p, v in zip(params, old_p):
-                    p.copy_(v)
-            _restore(opt, params, old_s)
+        except BaseException:
+            undo()
             raise
         new_p = [p.detach().clone() for p in params]
         new_s = _snapshot(opt, params)
         finite = _all_finite(new_p) and _all_finite(v for d in new_s.values() for v in d.values())
-        with torch.no_grad():
-            for p, v in zip(params, old_p):
-                p.copy_(v)
-        _restore(opt, params, old_s)
+        undo()
         if not finite:
             _put_back(held)
         return loss.item(), finite, (new_p, new_s)

@@ -173,15 +173,15 @@ def _inner_loop(step, m, i0, prev, opts: Options, cap: int, xla: bool = False, d
         """One step at call index ``i0 + j``: (loss as `dtype`, as float64, applied, stop,
         recorded, slot)."""
         loss, ok = step()
-        loss32 = tf.cast(loss, dtype)
-        loss64 = tf.cast(loss32, tf.float64)
+        kept = tf.cast(loss, dtype)
+        loss64 = tf.cast(kept, tf.float64)
         i = i0 + j
         applied = applied + tf.cast(ok, _INT)
         stop = tf.where(ok, tf.constant(int(Stop.STEPS), _INT), tf.constant(int(Stop.NONFINITE), _INT))
         if opts.tol is not None:
             conv = tf.logical_and(i > 0, tf.abs(loss64 - prev) <= opts.tol)
             stop = tf.where(tf.logical_and(ok, conv), tf.constant(int(Stop.TOL), _INT), stop)
-        return loss32, loss64, applied, stop, tf.equal(i % r, 0), i // r - first_slot
+        return kept, loss64, applied, stop, tf.equal(i % r, 0), i // r - first_slot
 
     zero = tf.constant(0, _INT)
 
@@ -190,11 +190,11 @@ def _inner_loop(step, m, i0, prev, opts: Options, cap: int, xla: bool = False, d
 
     if not xla:
         def body(j, applied, stop, prev, buf):
-            loss32, loss64, applied, stop, recorded, slot = guarded(j, applied, prev)
+            kept, loss64, applied, stop, recorded, slot = guarded(j, applied, prev)
             if r == 1:
-                buf = buf.write(j, loss32)
+                buf = buf.write(j, kept)
             else:
-                buf = tf.cond(recorded, lambda: buf.write(slot, loss32), lambda: buf)
+                buf = tf.cond(recorded, lambda: buf.write(slot, kept), lambda: buf)
             return j + 1, applied, stop, loss64, buf
 
         # Sized by what is written: stacking a TensorArray of `cap` entries costs ~2 ms a
@@ -213,8 +213,8 @@ def _inner_loop(step, m, i0, prev, opts: Options, cap: int, xla: bool = False, d
             end = tf.minimum(m, ((k + 1) * C + first_slot) * r - i0)
 
             def body(j, applied, stop, prev, small):
-                loss32, loss64, applied, stop, recorded, slot = guarded(j, applied, prev)
-                small = tf.where(tf.logical_and(recorded, tf.equal(where, slot - k * C)), loss32, small)
+                kept, loss64, applied, stop, recorded, slot = guarded(j, applied, prev)
+                small = tf.where(tf.logical_and(recorded, tf.equal(where, slot - k * C)), kept, small)
                 return j + 1, applied, stop, loss64, small
 
             j, applied, stop, prev, small = tf.while_loop(
@@ -648,8 +648,7 @@ def fuse(
     _check_optimizer(optimizer)
     # A model's non-trainable variables (BatchNorm statistics, dropout seeds) change in the
     # forward pass: a refused step puts them back too.
-    held = list(getattr(variables, "non_trainable_variables", None) or []) \
-        if not isinstance(variables, (list, tuple)) else []
+    held = list(getattr(variables, "non_trainable_variables", None) or [])  # a module's or model's
     variables = _check_variables(variables)
     if not isinstance(jit_compile, bool):
         _fail(TypeError, "jit_compile", jit_compile, "True or False",
