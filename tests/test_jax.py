@@ -621,6 +621,21 @@ def test_on_nonfinite_raise_under_jit_warns_that_it_cannot_raise():
     assert int(trace.stop) == Stop.NONFINITE
 
 
+
+@pytest.mark.parametrize("transform", ["jit", "vmap", "grad"])
+def test_stepwise_mode_inside_a_transform_is_refused_clearly(transform):
+    """A Python loop of steps cannot run on tracers: a clear error instead of JAX's
+    ConcretizationTypeError from deep inside the loop."""
+    fit = sf.fuse(quadratic, optax.sgd(0.1), steps=3, mode="stepwise")
+    w0, target = jnp.array([3.0, -2.0, 1.0]), jnp.zeros(3)
+    call = {"jit": lambda: jax.jit(fit)(fit.init(w0), target),
+            "vmap": lambda: jax.vmap(lambda w: fit(fit.init(w), target))(jnp.stack([w0, w0])),
+            "grad": lambda: jax.grad(lambda w: fit(fit.init(w), target)[0].params.sum())(w0)}[transform]
+    with pytest.raises(TypeError, match="mode='stepwise' cannot run inside jax.jit / jax.vmap / jax.grad"):
+        call()
+    state, trace = fit(fit.init(w0), target)  # outside a transform it runs
+    assert int(trace.steps) == 3
+
 def run_script(tmp_path, source: str, **env) -> None:
     """Run ``source`` in a fresh Python on the CPU with ``env`` added (JAX's device count and
     x64 are fixed per process); it must print "ok" last."""

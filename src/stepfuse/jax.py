@@ -329,6 +329,13 @@ class Fit:
             )
         n = check_call_steps(steps, self.opts, capped=self.opts.mode == "fused")
         if self.opts.mode == "stepwise":
+            if _inside_a_trace():
+                raise TypeError(
+                    "stepfuse.jax: mode='stepwise' cannot run inside jax.jit / jax.vmap / jax.grad: "
+                    "it is a Python loop that reads every step's loss on the host to decide "
+                    "whether to go on. Call the stepwise fit outside the transform (one call "
+                    "per model), or use mode='fused' (the default), which composes with them."
+                )
             return self._run_stepwise(state, batch, n)
         leaves = jax.tree_util.tree_leaves((state, batch))
         # Inside a user's transform (also a jax.jit that closes over every input, so that no
