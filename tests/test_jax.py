@@ -538,16 +538,10 @@ def test_state_that_is_not_a_fitstate():
         fit(perceptron_init(), X, Y)
 
 
-def test_optax_extra_args_benchmark_script_checks_and_times_every_optimizer(capsys):
+def test_optax_extra_args_benchmark_script_checks_and_times_every_optimizer(capsys, benchmark_script):
     # benchmarks/optax_extra_args.py on its smallest settings: each optimizer's fused run
     # agrees with optax's per-step loop (the script asserts it) and gets a row.
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "optax_extra_args.py"
-    spec = importlib.util.spec_from_file_location("optax_extra_args", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = benchmark_script("optax_extra_args")
     script.main(["--steps", "5", "--rounds", "1"])
     out = capsys.readouterr().out
     for name in script.OPTIMIZERS:

@@ -305,15 +305,9 @@ def test_bad_input_names_the_argument(case, name):
     assert "got" in str(err.value)
 
 
-def test_small_n_benchmark_script_times_every_contender(capsys):
+def test_small_n_benchmark_script_times_every_contender(capsys, benchmark_script):
     # benchmarks/tf1_small_n.py, on its smallest settings: it runs and reports each row.
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "tf1_small_n.py"
-    spec = importlib.util.spec_from_file_location("tf1_small_n", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = benchmark_script("tf1_small_n")
     script.main(["--steps", "2", "--instances", "1", "--rounds", "1", "--runs", "1"])
     out = capsys.readouterr().out
     for row in ("stepfuse", "N copies (seed answer)", "sess.run of a constant", "stepfuse / N copies:"):
