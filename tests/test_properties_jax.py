@@ -108,7 +108,7 @@ def test_fused_equals_stepwise(cfg):
         s_f, t_f = fused(s_f, *batch, steps=n)
         s_s, t_s = stepwise(s_s, *batch, steps=n)
         assert (t_f.steps, t_f.stop) == (t_s.steps, t_s.stop), (n, t_f, t_s)
-        assert t_f.loss.shape == t_s.loss.shape, (t_f.loss, t_s.loss)
+        assert t_f.loss.shape == t_s.loss.shape and t_f.loss.dtype == t_s.loss.dtype, (t_f.loss, t_s.loss)
         np.testing.assert_allclose(t_f.loss, t_s.loss, rtol=RTOL, atol=ATOL)
         assert int(s_f.step) == int(s_s.step)
         assert_trees_close(s_f.params, s_s.params)

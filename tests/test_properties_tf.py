@@ -120,7 +120,7 @@ def test_fused_equals_stepwise(problem, opt, record_every, tol, lr_unit, calls):
             event("tol borderline")
             assume(not (_tol_borderline(a, tol) or _tol_borderline(b, tol)))
         assert (a.steps, a.stop) == (b.steps, b.stop), (n, a, b)
-        assert a.loss.shape == b.loss.shape
+        assert a.loss.shape == b.loss.shape and a.loss.dtype == b.loss.dtype == np.float32
         np.testing.assert_allclose(a.loss, b.loss, rtol=RTOL, atol=ATOL)  # NaN == NaN
         for u, v in zip(state(fused), state(stepwise)):
             np.testing.assert_allclose(u, v, rtol=RTOL, atol=ATOL)

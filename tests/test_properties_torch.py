@@ -97,6 +97,7 @@ def test_fused_equals_stepwise_for_any_split(split, warm):
         assert [t.steps for t in traces] == split and all(t.stop == Stop.STEPS for t in traces)
         out[mode] = (np.concatenate([t.loss for t in traces]), params_of(model), state_of(optimizer))
     np.testing.assert_allclose(out["fused"][0], out["stepwise"][0], rtol=1e-6, atol=1e-7)
+    assert out["fused"][0].dtype == out["stepwise"][0].dtype == np.float32  # as the model's
     assert_close_lists(out["fused"][1], out["stepwise"][1])
     assert_same_state(out["fused"][2], out["stepwise"][2])
     assert fused_pair()["fused"][2].compiles == 1

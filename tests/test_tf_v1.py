@@ -179,6 +179,7 @@ def test_optimizers_with_slots_match_the_stepwise_reference(opt, use_keras):
     losses = np.concatenate([f.run(s, feed(x, y), steps=n).loss for n in (4, 1, 3)])
     ref = fr.run(sr, feed(xr, yr), steps=8)
     np.testing.assert_allclose(losses, ref.loss, rtol=1e-6, atol=1e-7)
+    assert losses.dtype == ref.loss.dtype == np.float32  # the loss's, in both modes
     assert len(f.state) == len(fr.state)
     assert (len(f.state) > len(f.var_list)) == (opt != "gd")  # slots live outside the loop
     for a, b in zip(s.run(f.state), sr.run(fr.state)):

@@ -59,6 +59,22 @@ def test_stepwise_matches_torch_reference(model_name, opt):
     check_against_reference(model_name, opt, mode="stepwise")
 
 
+
+@pytest.mark.parametrize("dtype, recorded", [(torch.float64, np.float64), (torch.float32, np.float32),
+                                             (torch.bfloat16, np.float32)])
+def test_stepwise_trace_keeps_the_loss_precision_as_the_fused_one(dtype, recorded):
+    """float64 losses stay float64, others are recorded as float32 (the fused trace's rule);
+    the stepwise trace was float64 for every model."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2).to(dtype)
+    x, y = torch.randn(8, 2, dtype=dtype), torch.randint(0, 2, (8,))
+    fit = sf.fuse(lambda x, y: torch.nn.functional.cross_entropy(model(x), y),
+                  torch.optim.SGD(model.parameters(), lr=0.1), steps=3, mode="stepwise")
+    trace = fit(x, y)
+    assert trace.steps == 3 and trace.loss.dtype == recorded
+    ref = torch.nn.functional.cross_entropy(model(x), y).item()  # the loss after the 3 steps
+    assert float(fit(x, y, steps=1).loss[0]) == ref  # recorded exactly
+
 # -- fused mode -----------------------------------------------------------------------------
 
 

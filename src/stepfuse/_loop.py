@@ -4,7 +4,8 @@ A backend's stepwise mode supplies two functions and this module runs them:
 
 * ``propose()`` evaluates the loss and gradient at the current parameters and
   computes the update *without* applying it; it returns ``(loss, finite, token)``
-  where ``finite`` says whether the loss, the gradients and the proposed parameters
+  where ``loss`` is a NumPy scalar (a float64 loss is recorded as float64, any other
+  float as float32, as the fused loops record it) and ``finite`` says whether the loss, the gradients and the proposed parameters
   and optimizer state are all finite;
 * ``commit(token)`` applies the proposed update.
 
@@ -40,9 +41,10 @@ def run_stepwise(
 ) -> Trace:
     """Run ``n`` single steps with the shared semantics; returns the host `Trace`."""
     losses = []
-    applied, stop, prev = 0, Stop.STEPS, math.nan
+    applied, stop, prev, wide = 0, Stop.STEPS, math.nan, False
     for i in range(n):
         loss, finite, token = propose()
+        wide = wide or np.asarray(loss).dtype == np.float64
         loss = float(loss)
         if i % opts.record_every == 0:
             losses.append(loss)
@@ -57,7 +59,8 @@ def run_stepwise(
             stop = Stop.TOL
             break
         prev = loss
-    return host_trace(np.asarray(losses, dtype=np.float64), applied, stop, opts.record_every)
+    return host_trace(np.asarray(losses, dtype=np.float64 if wide else np.float32), applied, stop,
+                      opts.record_every)
 
 
 def finish(trace: Trace, opts: Options, start_step: int) -> Trace:

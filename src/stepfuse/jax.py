@@ -597,8 +597,8 @@ class Fit:
 
         def propose():
             value, aux, new_params, new_opt, finite = self._step(held["params"], held["opt"], batch)
-            held["aux"], held["dtype"] = aux, value.dtype
-            return float(value), bool(finite), (new_params, new_opt)
+            held["aux"] = aux
+            return np.asarray(value), bool(finite), (new_params, new_opt)
 
         def commit(token):
             held["params"], held["opt"] = token
@@ -607,9 +607,6 @@ class Fit:
         with Notifier(self.opts, start, n, label="stepfuse.jax") as note:
             trace = run_stepwise(propose, commit, n, self.opts, start, note if self.opts.notify else None)
             note.done(trace.steps)
-        wide = held.get("dtype") == np.float64  # as the fused trace: float64 losses stay float64
-        trace = Trace(trace.loss.astype(np.float64 if wide else np.float32), trace.steps, trace.stop,
-                      trace.record_every)
         new = FitState(held["params"], held["opt"], jnp.int32(start + trace.steps))
         trace = finish(trace, self.opts, start)
         return (new, trace, held["aux"]) if self.has_aux else (new, trace)

@@ -213,6 +213,12 @@ def _put_back(held) -> None:
             b.copy_(v)
 
 
+def _host(loss: torch.Tensor) -> np.generic:
+    """A loss as a NumPy scalar for the stepwise driver: float64 stays float64, any other
+    float (float16 and bfloat16 too, exactly) is a float32, as in the fused trace."""
+    return np.float64(loss.item()) if loss.dtype == torch.float64 else np.float32(loss.item())
+
+
 def _all_finite(tensors) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors
                if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()))
@@ -804,7 +810,7 @@ class FusedFit:
         finite = bool(torch.isfinite(loss)) and _all_finite(p.grad for p in params)
         if not finite:  # refused: the buffers too stay as before the step
             _put_back(held)
-            return loss.item(), False, None
+            return _host(loss), False, None
         old_p = [p.detach().clone() for p in params]
         old_s = _snapshot(opt, params)
 
@@ -828,7 +834,7 @@ class FusedFit:
         undo()
         if not finite:
             _put_back(held)
-        return loss.item(), finite, (new_p, new_s)
+        return _host(loss), finite, (new_p, new_s)
 
     def _commit(self, token) -> None:
         new_p, new_s = token

@@ -569,7 +569,7 @@ class Fit:
 
         def propose():
             loss, finite, new = propose_fn(*batch)
-            return float(loss), bool(finite), new
+            return loss.numpy(), bool(finite), new
 
         def commit(new):
             with deferred_interrupts():  # variables, optimizer state and step move together

@@ -185,7 +185,7 @@ class Stepwise:
 
         def propose():
             loss, finite, new = sess.run([self.loss_t, self.finite, self.new], feed)
-            return float(loss), bool(finite), new
+            return loss, bool(finite), new
 
         def commit(new):
             sess.run(self.commit_op, dict(zip(self.placeholders, new)))
