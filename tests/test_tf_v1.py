@@ -168,6 +168,23 @@ def _keras_or_variable_graph(opt_fn, kind, steps, use_keras):
     return g, s, f, x, y
 
 
+
+@pytest.mark.parametrize("steps, jit", [(50, True), (50, False), ("placeholder", True)],
+                         ids=["int-xla", "int-noxla", "tensor"])
+def test_loss_fetched_with_the_loop_is_the_loss_before_the_run(steps, jit):
+    """As ``sess.run([loss, optimizer.minimize(loss)])``: ``fused.loss`` fetched in the
+    loop's run is the loss before its updates (it was read at a race with the loop, ~half
+    the runs mid-loop)."""
+    g, s, f, x, y = seed_graph(steps, jit_compile=jit)
+    fed = feed(x, y)
+    if steps == "placeholder":
+        fed[f.steps] = 50
+    for _ in range(12):
+        before = s.run(f.loss, fed)
+        loss, losses, _ = s.run([f.loss, f.losses, f.train_op], fed)
+        assert loss == before and len(losses) == 50 and losses[-1] < losses[0]
+        np.testing.assert_allclose(losses[0], loss, rtol=1e-6)
+
 @pytest.mark.parametrize("use_keras", [False, True], ids=["get_variable", "keras_layers"])
 @pytest.mark.parametrize("opt", list(V1_OPTIMIZERS))
 def test_optimizers_with_slots_match_the_stepwise_reference(opt, use_keras):

@@ -74,6 +74,21 @@ def _check_var_list(var_list, given) -> list:
     return var_list
 
 
+def _variable_reads(tensor) -> list:
+    """The ops that read a variable in the computation of ``tensor`` (those taking a
+    resource handle: ReadVariableOp, ResourceGather ...)."""
+    reads, seen, todo = [], set(), [tensor.op]
+    while todo:
+        op = todo.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if any(t.dtype == tf.resource for t in op.inputs):
+            reads.append(op)
+        todo.extend(t.op for t in op.inputs)
+    return reads
+
+
 def _reuse_scope():
     return tf1.variable_scope(tf1.get_variable_scope(), reuse=True)
 
@@ -331,7 +346,10 @@ def fuse(
             xla=jit_compile, dtype=dtype)
         return tf.concat([buf, pack(tf.stack([count, applied, stop]))], 0)
 
-    with tf1.name_scope("stepfuse_loop"):
+    # `loss` fetched with the loop in one run is the loss before the run's updates, as with
+    # `sess.run([loss, optimizer.minimize(loss)])`: the loop waits for its variable reads
+    # (only the reads: a run of the loop alone does not pay for the forward pass).
+    with tf1.name_scope("stepfuse_loop"), tf.control_dependencies(_variable_reads(loss0)):
         if isinstance(steps_given, (tf.Tensor, tf.Variable)):
             inner = tf.function(inner_py, jit_compile=bool(jit_compile), autograph=False)
             positive = tf.debugging.Assert(n >= 1, [
