@@ -527,3 +527,112 @@ def test_cuda_graph_matches_torch_reference(opt):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert_same_state(state_of(optimizer), state_of(ref_opt), rtol=1e-5, atol=1e-6)
     assert fit.compiles == 1
+
+
+# -- what the fused program cannot do: stepwise, as torch's own loop ------------------------
+
+
+def _plain(model, optimizer, loss_fn, n, x=X, y=Y):
+    losses = []
+    for _ in range(n):
+        optimizer.zero_grad()
+        loss = loss_fn(x, y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return np.asarray(losses)
+
+
+def _hooked(kind):
+    """(model, optimizer, loss_fn, hook calls) with one kind of user hook registered."""
+    model, optimizer, loss_fn = make("perceptron", "sgd_momentum")
+    calls = []
+    if kind == "step_post":  # clamps the parameters after each step
+        def clamp(opt, args, kwargs):
+            calls.append(1)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.clamp_(-0.3, 0.3)
+        optimizer.register_step_post_hook(clamp)
+    elif kind == "grad":  # halves one parameter's gradient
+        model.weight.register_hook(lambda g: calls.append(1) or g * 0.5)
+    else:  # a module backward hook that only observes
+        model.register_full_backward_hook(lambda m, gi, go: calls.append(1))
+    return model, optimizer, loss_fn, calls
+
+
+@pytest.mark.parametrize("kind", ["step_post", "grad", "module_backward"])
+def test_user_hooks_run_stepwise_with_a_warning_as_in_torchs_loop(kind):
+    """The fused program takes gradients with torch.func and calls the update rule itself,
+    so hooks would be skipped silently (they were): such a fit runs stepwise, and equals
+    torch's own loop with the same hook."""
+    model, optimizer, loss_fn, calls = _hooked(kind)
+    fit = sf.fuse(loss_fn, optimizer, steps=3)
+    with pytest.warns(RuntimeWarning, match="hooks"):
+        losses, traces = run_calls(fit)
+    assert fit.mode == "stepwise" and "hooks" in fit.fallback_reason and len(calls) >= sum(CALLS)
+    ref_model, ref_opt, ref_loss, _ = _hooked(kind)
+    np.testing.assert_allclose(losses, _plain(ref_model, ref_opt, ref_loss, sum(CALLS)), rtol=1e-6)
+    assert_close_lists(params_of(model), params_of(ref_model))
+    assert_same_state(state_of(optimizer), state_of(ref_opt))
+
+
+def test_parameters_the_loss_does_not_use_are_skipped_as_torch_does():
+    """A parameter without a gradient is skipped by torch.optim (no weight decay, no
+    momentum, no state); it was refused in both modes."""
+    def build():
+        torch.manual_seed(0)
+        used, unused = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD([*used.parameters(), *unused.parameters()], lr=0.1, momentum=0.9,
+                              weight_decay=0.1)
+        return used, unused, opt, lambda x, y: torch.nn.functional.cross_entropy(used(x), y)
+
+    used, unused, opt, loss_fn = build()
+    before = params_of(unused)
+    fit = sf.fuse(loss_fn, opt, steps=4, model=torch.nn.ModuleList([used, unused]))
+    with pytest.warns(RuntimeWarning, match="does not use 2 of the optimizer's 4 parameters"):
+        losses, _ = run_calls(fit)
+    assert fit.mode == "stepwise"
+    r_used, r_unused, r_opt, r_loss = build()
+    np.testing.assert_allclose(losses, _plain(r_used, r_opt, r_loss, sum(CALLS)), rtol=1e-6)
+    assert_close_lists(params_of(used), params_of(r_used))
+    assert_close_lists(params_of(unused), before)
+    assert all(p not in opt.state for p in unused.parameters())
+    assert_same_state(state_of(opt), state_of(r_opt))
+
+
+def test_sparse_gradients_of_an_embedding_with_sparse_adam():
+    """SparseAdam (stepwise) with nn.Embedding(sparse=True): the finiteness check read
+    sparse gradients densely and failed."""
+    def build():
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(10, 3, sparse=True)
+        return emb, torch.optim.SparseAdam(emb.parameters(), lr=0.1)
+
+    idx, target = torch.tensor([1, 4, 4, 7]), torch.ones(4, 3)
+    emb, opt = build()
+    with pytest.warns(RuntimeWarning, match="SparseAdam"):
+        fit = sf.fuse(lambda i, t: ((emb(i) - t) ** 2).mean(), opt, steps=3)
+    losses, _ = run_calls(fit, x=idx, y=target)
+    r_emb, r_opt = build()
+    ref = _plain(r_emb, r_opt, lambda i, t: ((r_emb(i) - t) ** 2).mean(), sum(CALLS), idx, target)
+    np.testing.assert_allclose(losses, ref, rtol=1e-6)
+    assert_close_lists(params_of(emb), params_of(r_emb))
+
+
+def test_bfloat16_model_runs_fused_and_equals_stepwise():
+    """The bfloat16 loss buffer could not become NumPy: every fused call failed."""
+    out = {}
+    for mode in ("fused", "stepwise"):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(2, 2).to(torch.bfloat16)
+        fit = sf.fuse(lambda x, y: torch.nn.functional.cross_entropy(model(x), y),
+                      torch.optim.SGD(model.parameters(), lr=0.1), steps=3, chunk=1, mode=mode)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            losses, traces = run_calls(fit, x=X.to(torch.bfloat16))
+        assert fit.mode == mode and losses.dtype == np.float32
+        out[mode] = (losses, [p.float() for p in params_of(model)])
+    # inductor computes bfloat16 ops in float32 and rounds once; eager rounds every op
+    np.testing.assert_allclose(out["fused"][0], out["stepwise"][0], rtol=2e-2)
+    assert_close_lists(out["fused"][1], out["stepwise"][1], rtol=2e-2, atol=1e-2)

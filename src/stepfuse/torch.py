@@ -220,8 +220,15 @@ def _host(loss: torch.Tensor) -> np.generic:
 
 
 def _all_finite(tensors) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors
+    """Whether every float tensor is finite (a sparse one: its stored values)."""
+    return all(bool(torch.isfinite(_values(t)).all()) for t in tensors
                if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()))
+
+
+def _values(t: torch.Tensor) -> torch.Tensor:
+    if t.layout == torch.strided:
+        return t
+    return t.coalesce().values() if t.is_sparse else t.values()  # COO (nn.Embedding(sparse=True)), CSR ...
 
 
 # --------------------------------------------------------------------------------------
@@ -681,12 +688,14 @@ class FusedFit:
                      "a function of the optimizer's parameters",
                      "Compute the loss from the model whose parameters the optimizer holds.")
             grads = torch.autograd.grad(loss, self._params, allow_unused=True)
-        unused = sum(g is None for g in grads)
-        if unused:
-            _bad(ValueError, "loss_fn", f"a loss that does not use {unused} of the optimizer's "
-                 f"{len(grads)} parameters", "a function of every parameter the optimizer holds",
-                 "Remove unused parameters from the optimizer or compute the loss from them.")
         self._loss_dtype = loss.dtype
+        unused = sum(g is None for g in grads)
+        if unused and self.mode == "fused":
+            # The plain loop skips a parameter without a gradient (no weight decay, no
+            # momentum); the fused program's gradients would be zeros, which is not the same.
+            self._fall_back(f"loss_fn does not use {unused} of the optimizer's {len(grads)} "
+                            "parameters on this batch (torch.optim skips them, stepwise does too); "
+                            "pass mode='stepwise' to silence this warning.")
 
     def _ensure_program(self, batch) -> None:
         """Build (compile / capture) the fused program if needed; may fall back to stepwise.
@@ -752,6 +761,10 @@ class FusedFit:
         grads_before = [p.grad for p in self._params]
         snap = _snapshot(self.optimizer, self._params)
         before = [p.detach().clone() for p in self._params]
+        if self.mode == "fused":
+            reason = self._hooks()
+            if reason is not None:
+                self._fall_back(f"{reason}; pass mode='stepwise' to silence this warning.")
         self._probe(batch)
         start = self.step
         if self.mode == "fused":
@@ -773,6 +786,28 @@ class FusedFit:
             for p, g in zip(self._params, grads_before):
                 p.grad = g
         return finish(trace, self.opts, start)
+
+    def _hooks(self) -> Optional[str]:
+        """Why the fused program would skip hooks the user registered, or None: it takes
+        gradients with torch.func and calls the update rule itself, so step hooks, gradient
+        hooks and module backward hooks would not run (the stepwise mode runs them)."""
+        from torch.nn.modules import module as nn_module
+        from torch.optim import optimizer as optim_module
+
+        opt = self.optimizer
+        if (getattr(opt, "_optimizer_step_pre_hooks", None) or getattr(opt, "_optimizer_step_post_hooks", None)
+                or getattr(optim_module, "_global_optimizer_pre_hooks", None)
+                or getattr(optim_module, "_global_optimizer_post_hooks", None)):
+            return "the optimizer has step hooks (register_step_pre_hook / _post_hook), which only its step() runs"
+        if any(getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None)
+               for p in self._params):
+            return ("a parameter has gradient hooks (register_hook / register_post_accumulate_grad_hook), "
+                    "which only loss.backward() runs")
+        if (getattr(nn_module, "_global_backward_hooks", None) or getattr(nn_module, "_global_backward_pre_hooks", None)
+                or any(m._backward_hooks or m._backward_pre_hooks
+                       for top in self._modules for m in top.modules())):
+            return "a module has backward hooks, which only loss.backward() runs"
+        return None
 
     def _check_params_unchanged(self) -> None:
         """Refuse a call after the optimizer's parameters changed (``add_param_group``) or
@@ -883,7 +918,9 @@ class FusedFit:
                 P = len(params)
                 evaluated = applied + (1 if code == Stop.NONFINITE else 0)
                 kept = n_recorded(i + evaluated, re) - n_recorded(i, re)
-                losses.append(buf[:kept].detach().cpu().numpy())
+                # float64 stays float64, any other float (bfloat16 too) is recorded as float32
+                wide = buf.dtype == torch.float64
+                losses.append(buf[:kept].detach().to("cpu", torch.float64 if wide else torch.float32).numpy())
                 with deferred_interrupts():  # parameters, state and step move together
                     self._write_back(out[6:6 + P], out[6 + P:])
                     self.step += applied
