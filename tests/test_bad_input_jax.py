@@ -216,3 +216,21 @@ def params_used(loss_fn, params, *batch):
 ], ids=["uses_all", "constant", "stop_gradient", "bias_unused", "jitted", "cond"])
 def test_a_loss_without_params_can_be_detected_from_its_jaxpr(loss_fn, want):
     assert params_used(loss_fn, jax.tree_util.tree_map(jnp.asarray, perceptron_init()), X, Y) == want
+
+
+@pytest.mark.parametrize("mistake", ["bool", "int", "numpy"])
+def test_python_control_flow_on_traced_values_names_the_loss_and_jaxs_reason(mistake):
+    """JAX's own tracer errors take a tracer to build: re-raised as their type, with a new
+    message, they became "'str' object has no attribute '_error_repr'"."""
+    def loss(w, x):
+        if mistake == "bool" and w.sum() > 0:
+            return jnp.sum(w ** 2)
+        if mistake == "int":
+            return jnp.sum(w ** int(x[0]))
+        if mistake == "numpy":
+            return jnp.sum(np.asarray(w) * x)
+        return jnp.sum((w - x) ** 2)
+
+    fit = sf.fuse(loss, optax.sgd(0.1), steps=2)
+    with pytest.raises(TypeError, match=r"loss_fn\(params, \*batch\)` failed .*(traced|tracer)"):
+        fit(fit.init(jnp.ones(3)), jnp.ones(3))

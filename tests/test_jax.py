@@ -45,6 +45,16 @@ OPTIMIZERS = {
     "sam": lambda: optax.contrib.sam(optax.sgd(0.1), optax.sgd(0.05), sync_period=3),
     # a wrapper, not a GradientTransformation: accumulates 3 gradients per update
     "multi_steps_adam": lambda: optax.MultiSteps(optax.adam(0.05), every_k_schedule=3),
+    # sam inside a chain, which hands every extra argument to it (sam takes grad_fn only)
+    "clip_sam": lambda: optax.chain(optax.clip_by_global_norm(1.0),
+                                    optax.contrib.sam(optax.sgd(0.1), optax.sgd(0.05), sync_period=3)),
+    # states holding inf from the start: reduce_on_plateau's best value until its first
+    # average of 3 losses; an injected max_norm=inf
+    "adam_reduce_on_plateau_every_3": lambda: optax.chain(
+        optax.adam(0.05), optax.contrib.reduce_on_plateau(factor=0.5, patience=1, rtol=0.2,
+                                                          accumulation_size=3)),
+    "sgd_clip_inf": lambda: optax.chain(optax.inject_hyperparams(optax.clip_by_global_norm)(max_norm=jnp.inf),
+                                        optax.sgd(0.1)),
 }
 # What the reference passes to `update` beyond (grads, state, params), as optax's docs call
 # each of them; stepfuse must give at least these, with these values.
@@ -54,6 +64,8 @@ EXTRA_ARGS = {
     "polyak_sgd": ("value",),
     "sgd_backtracking_linesearch": ("value", "grad", "value_fn"),
     "sam": ("grad_fn",),
+    "clip_sam": ("grad_fn",),
+    "adam_reduce_on_plateau_every_3": ("value",),
 }
 
 
@@ -269,6 +281,9 @@ def test_nonfinite_stops_before_the_bad_update_at_the_oracles_step(opt):
         for _ in range(100):
             state2, _ = fit2(state2, *batch)
     assert err.value.step == k
+    # ... and hands back the state the call reached, which the caller does not hold
+    assert int(err.value.state.step) == k
+    np.testing.assert_allclose(err.value.state.params, ref_params, rtol=1e-5)
 
 
 def test_vmap_over_8_initialisations_equals_8_separate_fits():

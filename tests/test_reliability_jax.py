@@ -104,6 +104,23 @@ def test_checkpoint_restored_in_a_new_process_continues_bitwise(tmp_path):
     assert np.array_equal(np.concatenate([t1.loss, t2_loss]), ref_trace.loss)
 
 
+
+def test_checkpoint_of_a_state_holding_prng_keys_continues_bitwise(tmp_path):
+    """optax.noisy_sgd keeps a typed PRNG key in its state: saved as its raw bits with its
+    implementation's name (NumPy cannot hold key arrays; save failed with JAX's error)."""
+    fit = sf.fuse(mlp_loss, optax.noisy_sgd(0.05), steps=6)
+    ref, _ = fit(fit.init(init_params()), X, Y)
+    half, _ = fit(fit.init(init_params()), X, Y, steps=3)
+    checkpoint.save(tmp_path / "noisy.npz", half)
+    back = checkpoint.restore(tmp_path / "noisy.npz", jax.eval_shape(fit.init, init_params()))
+    assert leaves_equal(jax.random.key_data(back.opt_state[0].rng_key),
+                        jax.random.key_data(half.opt_state[0].rng_key))
+    done, _ = fit(back, X, Y, steps=3)
+    assert leaves_equal(done.params, ref.params)
+    other = sf.fuse(mlp_loss, optax.sgd(0.05), steps=6)
+    with pytest.raises(ValueError, match="checkpoint"):
+        checkpoint.restore(tmp_path / "noisy.npz", other.init(init_params()))
+
 def test_checkpoint_refuses_pickled_object_arrays(tmp_path):
     fit = make_fit(3)
     like = fit.init(init_params())

@@ -111,12 +111,15 @@ class NonFiniteError(FloatingPointError):
 
     The state (parameters, optimizer state) is that of the last finite step, as with
     ``Stop.NONFINITE``; ``error.step`` is the global index of the refused update and
-    ``error.trace`` the call's trace.
+    ``error.trace`` the call's trace. ``error.state``: in JAX, the `FitState` the call
+    reached (its updates up to the refused one; the caller still holds the state it
+    passed in); None where the backend updates the variables in place (TF, torch).
     """
 
-    def __init__(self, step: int, trace: Trace):
+    def __init__(self, step: int, trace: Trace, state=None):
         self.step = step
         self.trace = trace
+        self.state = state
         super().__init__(
             f"non-finite loss or update at step {step} (update not applied; "
             f"{trace.steps} updates of this call were applied). {Stop.NONFINITE.message}"

@@ -56,6 +56,18 @@ def _dtype_name(dtype: np.dtype) -> str:
     return np.dtype(dtype).name
 
 
+def _key_impl(leaf) -> "str | None":
+    """The PRNG implementation's name of a typed JAX key array (``jax.random.key``), or None."""
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None or isinstance(dtype, np.dtype):
+        return None
+    import jax
+
+    if not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return None
+    return str(jax.random.key_impl(leaf)) if isinstance(leaf, jax.Array) else ""
+
+
 def save(path: "str | os.PathLike[str]", state: Any) -> str:
     """Write ``state`` (a ``stepfuse.jax.FitState`` or any JAX pytree of arrays) to ``path``.
 
@@ -72,20 +84,31 @@ def save(path: "str | os.PathLike[str]", state: Any) -> str:
     if len(set(paths)) != len(paths):
         dup = sorted({p for p in paths if paths.count(p) > 1})
         raise ValueError(f"`state` has leaves with the same tree path {dup}; cannot key them uniquely.")
-    arrays = {}
+    arrays, dtypes = {}, []
     for key, leaf in zip(paths, leaves):
         if key in _RESERVED:
             raise ValueError(f"`state` has a leaf at the reserved path {key!r}.")
-        arr = np.asarray(leaf)
+        impl = _key_impl(leaf)
+        if impl is not None:  # typed PRNG keys (optax.noisy_sgd's state): their raw bits
+            import jax
+
+            arrays[key] = np.asarray(jax.random.key_data(leaf))
+            dtypes.append(f"{leaf.dtype}|{impl}")
+            continue
+        what = f"{type(leaf).__module__}.{type(leaf).__name__}"
+        try:
+            arr = np.asarray(leaf)
+        except Exception as e:  # noqa: BLE001 - anything NumPy cannot take: named below
+            arr, what = np.asarray(None), f"{what}, which NumPy cannot read ({e})"
         if arr.dtype == object or arr.dtype.kind not in "biufcV":
             raise TypeError(
                 f"`state` must hold only numeric arrays; the leaf at state{key} is "
-                f"{type(leaf).__module__}.{type(leaf).__name__} (as an array: dtype {arr.dtype}). "
+                f"{what} (as an array: dtype {arr.dtype}). "
                 "checkpoint.save stores a stepfuse.jax.FitState (or a JAX pytree of arrays); "
                 "it never pickles Python objects."
             )
         arrays[key] = arr
-    dtypes = [_dtype_name(arrays[key].dtype) for key in paths]
+        dtypes.append(_dtype_name(arr.dtype))
     arrays[_VERSION_KEY] = np.asarray(FORMAT_VERSION, np.int64)
     arrays[_PATHS_KEY] = np.asarray(paths, dtype=np.str_)
     arrays[_DTYPES_KEY] = np.asarray(dtypes, dtype=np.str_)
@@ -189,6 +212,9 @@ def restore(path: "str | os.PathLike[str]", like: Any) -> Any:
         if key not in data:
             raise ValueError(f"`path` {path!r} lists {key} but holds no array for it (damaged file).")
         arr = data[key]
+        if getattr(leaf, "dtype", None) is not None and _key_impl(leaf) is not None:
+            restored.append(_restore_keys(arr, leaf, saved_dtypes and saved_dtypes[i], key, path))
+            continue
         want_shape = tuple(np.shape(leaf))
         want_dtype = np.dtype(getattr(leaf, "dtype", None) or np.asarray(leaf).dtype)
         if arr.dtype.kind == "V" and saved_dtypes is not None and saved_dtypes[i] == want_dtype.name:
@@ -205,3 +231,18 @@ def restore(path: "str | os.PathLike[str]", like: Any) -> Any:
             )
         restored.append(jnp.asarray(arr))
     return jax.tree_util.tree_unflatten(treedef, restored)
+
+
+def _restore_keys(arr: np.ndarray, leaf, saved: "str | None", key: str, path: str):
+    """Typed PRNG keys from their saved bits (see `save`), checked against ``leaf``."""
+    import jax
+
+    kind, _, impl = (saved or "").partition("|")
+    if kind != str(leaf.dtype) or not impl:
+        raise ValueError(f"`like` has PRNG keys of dtype {leaf.dtype} at {key} but the checkpoint "
+                         f"`path` {path!r} has {kind or 'no keys'} there.")
+    keys = jax.random.wrap_key_data(arr, impl=impl)
+    if keys.shape != tuple(leaf.shape):
+        raise ValueError(f"`like` has shape {tuple(leaf.shape)} at {key} but the checkpoint "
+                         f"`path` {path!r} has keys of shape {keys.shape}.")
+    return keys

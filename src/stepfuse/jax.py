@@ -27,7 +27,7 @@ import optax
 from . import _jax_host
 from ._loop import Notifier, finish, run_stepwise
 from ._options import OPTIONS_DOC, check_call_steps, check_options
-from ._trace import Stop, Trace, host_trace
+from ._trace import NonFiniteError, Stop, Trace, host_trace
 
 __all__ = ["fuse", "Fit", "FitState"]
 
@@ -152,8 +152,26 @@ def _extra_args(optimizer, loss, value, grads, batch) -> Dict[str, Any]:
         accepted = [inspect.Parameter("extra_args", inspect.Parameter.VAR_KEYWORD)]
     names = {a.name for a in accepted}
     if any(a.kind is inspect.Parameter.VAR_KEYWORD for a in accepted):
-        names |= {"value", "grad", "value_fn"}
+        names |= set(offered)  # `_update` drops those a transformation inside refuses
     return {k: v for k, v in offered.items() if k in names}
+
+
+def _update(optimizer, grads, opt_state, params, extra: Dict[str, Any]):
+    """``optimizer.update`` with the extra arguments it takes. A ``**extra_args`` update
+    (``optax.chain``) hands them to every transformation inside, and some accept only
+    their own (``sam``: ``grad_fn``) or pass them on to ``value_fn`` (the line search):
+    a name refused while tracing is dropped and the update traced again (no run-time cost)."""
+    extra = dict(extra)
+    while True:
+        try:
+            return optimizer.update(grads, opt_state, params, **extra)
+        except TypeError as e:  # "unexpected keyword argument 'x'", "... not consumed by `value_fn`: ['x']"
+            message = str(e)
+            refused = [k for k in extra if f"'{k}'" in message]
+            if not refused or not ("unexpected keyword" in message or "not consumed" in message):
+                raise
+            for k in refused:
+                del extra[k]
 
 
 def _select(pred, on_true, on_false):
@@ -214,6 +232,16 @@ def _inside_a_trace() -> bool:
     return not _trace_state_clean()
 
 
+def _finish(trace: Trace, opts, start: int, state) -> Trace:
+    """`finish`, whose `NonFiniteError` carries the call's new state (``error.state``): a
+    pure fit's caller holds only the state from before the call."""
+    try:
+        return finish(trace, opts, start)
+    except NonFiniteError as e:
+        e.state = state
+        raise
+
+
 def _tol_below(tol: float, dtype) -> np.ndarray:
     """``tol`` as the largest value of ``dtype`` not above it. The loop compares
     ``abs(loss[i] - loss[i-1]) <= tol`` in the loss dtype, where a Python float would be
@@ -246,7 +274,8 @@ class _Loss:
             closed, shape = jax.make_jaxpr(loss_fn, return_shape=True)(params, *batch)
         except (TypeError, ValueError) as e:
             shapes = jax.tree_util.tree_map(lambda a: tuple(np.shape(a)), (params, batch))
-            raise type(e)(
+            # The plain type: JAX's own subclasses (ConcretizationTypeError ...) take a tracer.
+            raise (TypeError if isinstance(e, TypeError) else ValueError)(
                 f"`loss_fn(params, *batch)` failed with params/batch shapes {shapes}: {e} "
                 "Check that the batch passed to fit(state, *batch) fits the model."
             ) from e
@@ -381,7 +410,7 @@ class Fit:
         else:
             trace = host_trace(np.asarray(buf), applied, stop, k)
             if self.opts.on_nonfinite == "raise":
-                trace = finish(trace, self.opts, int(state.step) - trace.steps)
+                trace = _finish(trace, self.opts, int(state.step) - trace.steps, state)
         return (state, trace, aux) if self.has_aux else (state, trace)
 
     def _compiled_text(self, state: FitState, *batch, steps: Optional[int] = None) -> str:
@@ -465,11 +494,16 @@ class Fit:
         _check_opt_state(self.optimizer, params, opt_state)
         loss = loss or _Loss(self.loss_fn, self.has_aux, params, batch)
         (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(params, *batch)
-        updates, new_opt = self.optimizer.update(grads, opt_state, params,
-                                                 **_extra_args(self.optimizer, loss, value, grads, batch))
+        updates, new_opt = _update(self.optimizer, grads, opt_state, params,
+                                   _extra_args(self.optimizer, loss, value, grads, batch))
         new_params = optax.apply_updates(params, updates)
         new_params = jax.tree_util.tree_map(lambda n, p: n.astype(p.dtype), new_params, params)
-        finite = _all_finite((value, grads, new_params, new_opt))
+        # A state entry that was already inf and stays so (reduce_on_plateau's best value
+        # before its first average, an injected max_norm=inf) is no non-finite update.
+        kept = jax.tree_util.tree_map(
+            lambda new, old: jnp.where(new == old, jnp.zeros_like(new), new)
+            if jnp.issubdtype(jnp.result_type(new), jnp.inexact) else new, new_opt, opt_state)
+        finite = _all_finite((value, grads, new_params, kept))
         return value, aux, new_params, new_opt, finite
 
     def _run(self, state: FitState, batch, n, period, *, scan_steps=None, host_id=None, pack=False):
@@ -608,7 +642,7 @@ class Fit:
             trace = run_stepwise(propose, commit, n, self.opts, start, note if self.opts.notify else None)
             note.done(trace.steps)
         new = FitState(held["params"], held["opt"], jnp.int32(start + trace.steps))
-        trace = finish(trace, self.opts, start)
+        trace = _finish(trace, self.opts, start, new)
         return (new, trace, held["aux"]) if self.has_aux else (new, trace)
 
 
