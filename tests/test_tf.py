@@ -165,6 +165,27 @@ def test_stepwise_mode_is_the_same_loop(data):
 
 
 @pytest.mark.parametrize("mode", ["fused", "stepwise"])
+def test_a_learning_rate_replaced_between_calls_is_used(mode, data):
+    """``optimizer.learning_rate = schedule`` replaces the variable the traced programs
+    read: they are traced again (the old rate was used silently)."""
+    x, y = data
+    new_rate = lambda: keras.optimizers.schedules.ExponentialDecay(1.0, 1, 0.5)  # noqa: E731
+    _, ref_vars, ref_loss = make_problem("perceptron")
+    ref_opt = keras.optimizers.SGD(0.1)
+    ref = list(reference_steps(ref_loss, ref_opt, ref_vars, x, y, 2))
+    ref_opt.learning_rate = new_rate()
+    ref += list(reference_steps(ref_loss, ref_opt, ref_vars, x, y, 3))
+    _, variables, loss_fn = make_problem("perceptron")
+    opt = keras.optimizers.SGD(0.1)
+    fit = sf.fuse(loss_fn, opt, variables, steps=3, mode=mode)
+    losses = list(fit(x, y, steps=2).loss)
+    opt.learning_rate = new_rate()
+    losses += list(fit(x, y).loss)
+    np.testing.assert_allclose(losses, ref, rtol=RTOL, atol=ATOL)
+    for a, b in zip(values(variables), values(ref_vars)):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+
+@pytest.mark.parametrize("mode", ["fused", "stepwise"])
 def test_tol_stops_early_like_the_stepwise_oracle(mode, data):
     x, y = data
     _, va, la = make_problem("perceptron")

@@ -331,6 +331,7 @@ class Fit:
         self._notified_step: Optional[int] = None
         self._trace_dtype = tf.float32  # the loss dtype of the batch being traced (see `_call`)
         self._callback_error: Optional[BaseException] = None
+        self._learning_rate = _learning_rate_of(optimizer)  # what the programs were traced with
         self._build()
 
     # -- building -----------------------------------------------------------------------
@@ -479,6 +480,11 @@ class Fit:
                 "stepfuse.tf.v1.fuse.")
         batch = tuple(tf.convert_to_tensor(b) for b in batch)
         start = self.step
+        if _learning_rate_of(self.optimizer) is not self._learning_rate:
+            # `optimizer.learning_rate = schedule` (or a callable) replaces the variable the
+            # programs read: trace them again (assigning a float writes into the variable).
+            self._learning_rate = _learning_rate_of(self.optimizer)
+            self._build()
         if self.opts.mode == "stepwise":
             return self._call_stepwise(batch, n, start)
         self._callback_error, self._notified_step = None, None
@@ -581,6 +587,12 @@ class Fit:
                                  notifier if self.opts.notify else None)
             notifier.done(trace.steps)
         return finish(trace, self.opts, start)
+
+
+def _learning_rate_of(optimizer):
+    """The object a Keras optimizer reads its learning rate from (a variable, a schedule or
+    a callable), which ``optimizer.learning_rate = ...`` may replace."""
+    return getattr(optimizer, "_learning_rate", None)
 
 
 def _check_loss(loss, loss_fn) -> None:
