@@ -330,3 +330,48 @@ def test_small_n_benchmark_script_times_every_contender(capsys, benchmark_script
     out = capsys.readouterr().out
     for row in ("stepfuse", "N copies (seed answer)", "sess.run of a constant", "stepfuse / N copies:"):
         assert row in out
+
+
+def test_var_list_none_trains_the_variables_the_loss_reads_as_minimize_does():
+    """Two models in one graph, each fused with var_list=None: each trains its own
+    variables, as optimizer.minimize(loss) does (the first was refused: no gradient
+    reaches the second model's variables)."""
+    def build(kind):
+        g = tf.Graph()
+        with g.as_default():
+            x = tf1.placeholder(tf.float32, [None, 2])
+            y = tf1.placeholder(tf.int32, [None])
+            out = {}
+            for name in ("a", "b"):
+                k = tf1.get_variable(f"k_{name}", initializer=tf.constant([[1.0, 0.5], [-0.5, 1.0]]))
+                loss_fn = lambda k=k: sparse_ce(y, tf.matmul(x, k))  # noqa: E731
+                opt = tf1.train.MomentumOptimizer(0.1 if name == "a" else 0.3, 0.9)
+                if kind == "fused":
+                    out[name] = (v1.fuse(loss_fn, opt, steps=4), k)
+                else:
+                    loss = loss_fn()
+                    out[name] = ((opt.minimize(loss), loss), k)
+            init = tf1.global_variables_initializer()
+        s = tf1.Session(graph=g)
+        s.run(init)
+        return s, out, {x: XS, y: YS}
+
+    s, fused, fd = build("fused")
+    r, plain, rd = build("plain")
+    for name in ("a", "b"):
+        f, k = fused[name]
+        assert [v.name for v in f.var_list] == [k.name]
+        losses = f.run(s, fd).loss
+        (op, loss), rk = plain[name]
+        ref = [r.run([loss, op], rd)[0] for _ in range(4)]
+        np.testing.assert_allclose(losses, ref, rtol=1e-6)
+        np.testing.assert_allclose(s.run(k), r.run(rk), rtol=1e-6)
+
+
+def test_a_keras_layer_made_inside_loss_fn_gets_the_fix():
+    with tf.Graph().as_default():
+        x = tf1.placeholder(tf.float32, [None, 2])
+        y = tf1.placeholder(tf.int32, [None])
+        with pytest.raises(ValueError, match="make them once before fuse, outside loss_fn"):
+            v1.fuse(lambda: sparse_ce(y, keras.layers.Dense(2)(x)), tf1.train.GradientDescentOptimizer(0.1),
+                    steps=3)

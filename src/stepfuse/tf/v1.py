@@ -103,8 +103,14 @@ def _prepare(loss_fn, optimizer, var_list):
     loss0 = _check_loss(loss_fn(), loss_fn)  # creates the variables (tf1.get_variable, layers)
     given = var_list
     if var_list is None:
-        var_list = tf1.trainable_variables()
-        given = f"None (trainable variables: {[v.name for v in var_list]})"
+        # As optimizer.minimize(loss): the trainable variables the loss reads (another
+        # model's in the same graph are not this loss's).
+        read = {t.name for op in _variable_reads(loss0) for t in op.inputs if t.dtype == tf.resource}
+        everything = tf1.trainable_variables()
+        var_list = [v for v in everything if v.dtype.name.endswith("_ref")  # refused below, by name
+                    or (getattr(v, "handle", None) is not None and v.handle.name in read)]
+        given = (f"None (the trainable variables {[v.name for v in everything]}, of which the loss "
+                 f"reads {[v.name for v in var_list]})")
     var_list = _check_var_list(var_list, given)
     # Slot and non-slot variables (momentum, Adam moments and beta powers) are created
     # here, outside the loop, so the loop body only reads and writes them.
@@ -128,7 +134,9 @@ def _step_ops(loss_fn, optimizer, var_list, state):
     if missing:
         _fail(ValueError, "loss_fn", loss_fn, "a loss that depends on every variable in var_list",
               f"No gradient reaches {missing}: use those variables in loss_fn or leave them "
-              "out of `var_list`.")
+              "out of `var_list`. (If loss_fn makes its variables with tf.Variable or a new Keras "
+              "layer on each call, make them once before fuse, outside loss_fn: loss_fn is called "
+              "again inside the loop, where only tf1.get_variable reuses what the first call made.)")
     grads = [g for g, _ in gvs]
     with tf.control_dependencies([loss] + [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]):
         snapshot = [tf.identity(v.read_value()) for v in state]
@@ -241,14 +249,16 @@ def fuse(
 
     Args:
       loss_fn: ``loss_fn()`` builds the scalar loss from placeholders and variables. It is
-        called once outside the loop (creating the variables: ``tf1.get_variable``, Keras
-        layers) and once inside it (reusing them).
+        called once outside the loop (creating the variables with ``tf1.get_variable``)
+        and once inside it (reusing them). A Keras layer or ``tf.Variable`` that would be
+        created anew on each call must be created before, outside ``loss_fn``.
       optimizer: a ``tf.compat.v1.train`` optimizer (GradientDescent, Momentum, Adam,
         RMSProp...); its slot variables are created outside the loop.
       steps: updates per run: a Python int ``>= 1`` (fed to a
         ``placeholder_with_default``, so ``{fused.steps: n}`` changes it per run) or an
         int32 scalar tensor such as a placeholder.
-      var_list: the variables to train; ``None`` means the graph's trainable variables.
+      var_list: the variables to train; ``None`` means the graph's trainable variables
+        that the loss reads (as ``optimizer.minimize``: another model's are left alone).
       tol: stop the loop once ``abs(loss[i] - loss[i-1]) <= tol``; ``None`` never stops early.
       record_every: keep every k-th loss in ``losses``.
       mode: ``"fused"`` (the while loop) or ``"stepwise"`` (one guarded step per
