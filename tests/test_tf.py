@@ -165,6 +165,26 @@ def test_stepwise_mode_is_the_same_loop(data):
 
 
 @pytest.mark.parametrize("mode", ["fused", "stepwise"])
+def test_nested_batches_reach_loss_fn_as_given(mode, data):
+    """A dict or a tuple of tensors of different dtypes as one batch argument, as Keras
+    users pass them (they were converted to one tensor: refused or stacked)."""
+    x, y = data
+    _, ref_vars, ref_loss = make_problem("perceptron")
+    ref = reference_steps(ref_loss, keras.optimizers.SGD(0.1), ref_vars, x, y, 5)
+    _, variables, loss_fn = make_problem("perceptron")
+    fit = sf.fuse(lambda b: loss_fn(b["x"], b["y"]), keras.optimizers.SGD(0.1), variables, steps=3, mode=mode)
+    losses = np.concatenate([fit({"x": x, "y": y}).loss, fit({"x": x, "y": y}, steps=2).loss])
+    np.testing.assert_allclose(losses, ref, rtol=RTOL, atol=ATOL)
+    for a, b in zip(values(variables), values(ref_vars)):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+    if mode == "fused":
+        assert fit.traces == 1
+    pairs = sf.fuse(lambda xy: loss_fn(*xy), keras.optimizers.SGD(0.1), variables, steps=2, mode=mode)
+    assert pairs((x, y)).steps == 2  # float32 and int32 tensors in one tuple
+    with pytest.raises(TypeError, match="`batch` must hold dense tensors; got a SparseTensor"):
+        fit({"x": tf.sparse.from_dense(x), "y": y})
+
+@pytest.mark.parametrize("mode", ["fused", "stepwise"])
 def test_a_learning_rate_replaced_between_calls_is_used(mode, data):
     """``optimizer.learning_rate = schedule`` replaces the variable the traced programs
     read: they are traced again (the old rate was used silently)."""
