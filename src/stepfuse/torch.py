@@ -705,7 +705,7 @@ class FusedFit:
         captured per batch shapes and hyper-parameters, and the last `_GRAPH_CACHE` of
         them are kept (a smaller last batch of an epoch does not recapture every epoch).
         """
-        key = tuple(tuple(sorted(h.items())) for h in map(_hyper, self.optimizer.param_groups))
+        key = self._hyper_key()
         if self._cuda:
             key += tuple((tuple(b.shape), b.dtype) if isinstance(b, torch.Tensor) else repr(b)
                          for b in batch)
@@ -715,6 +715,13 @@ class FusedFit:
             self._captured.move_to_end(key)
             self._program, self._program_key = self._captured[key], key
             return
+        if self._program is not None and self._program_key[:len(self._hyper_key())] != self._hyper_key():
+            warnings.warn(
+                "stepfuse.torch: the optimizer's hyper-parameters changed (an lr scheduler, a "
+                "changed param_group): torch.optim's update rules read them as Python numbers, "
+                "so they are compiled into the fused program, which is compiled again now. A "
+                "schedule that changes them every call pays a compile every call; mode='stepwise' "
+                "compiles nothing.", RuntimeWarning, stacklevel=3)
         params = [p.detach() for p in self._params]
         states = self._state_tensors(placeholder=True)
         prev = torch.tensor(math.nan, dtype=self._loss_dtype, device=params[0].device)
@@ -741,6 +748,10 @@ class FusedFit:
             self._captured[key] = self._program
             while len(self._captured) > _GRAPH_CACHE:
                 self._captured.popitem(last=False)
+
+    def _hyper_key(self) -> tuple:
+        """Every group's hyper-parameters (compiled into the fused program)."""
+        return tuple(tuple(sorted(h.items())) for h in map(_hyper, self.optimizer.param_groups))
 
     @property
     def _cuda(self) -> bool:
@@ -928,6 +939,16 @@ class FusedFit:
                 stop = Stop(code)
                 if notify is not None and applied and self.step % every == 0:
                     notify(self.step, float(last))
+                    if i < n and self._program_key[:len(self._hyper_key())] != self._hyper_key():
+                        # The callback changed a hyper-parameter (its lr ...): the rest of the
+                        # call runs with it, as the stepwise loop would.
+                        self._ensure_program(batch)
+                        if self.mode != "fused":
+                            raise RuntimeError(
+                                f"stepfuse.torch: the callback set hyper-parameters the fused program "
+                                f"could not be compiled with ({self.fallback_reason}); this call stopped "
+                                f"after {self.step - start} applied updates (kept). Call again: the fit "
+                                "now runs stepwise.")
             note.done(self.step - start)
         loss = np.concatenate(losses) if losses else np.zeros(0, np.float32)
         return host_trace(loss, self.step - start, stop, re)
