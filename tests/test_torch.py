@@ -661,3 +661,51 @@ def test_a_callback_that_changes_the_lr_takes_effect_for_the_rest_of_the_call():
     assert losses[1] != losses[2] and np.all(losses[2:] == losses[2])  # lr 0 from update 2 on
     assert_close_lists(out["fused"][1], out["stepwise"][1])
     assert_same_state(out["fused"][2], out["stepwise"][2])
+
+
+def test_graph_path_copies_nested_batch_tensors_into_its_buffers(monkeypatch):
+    """A dict of tensors as a batch argument, on the CUDA path's host logic (stand-in as
+    above, eager chunk): each call trains on its own batch. The nested tensors were not
+    copied into the static buffers, and batches were told apart by their repr (which
+    elides a large tensor's values), so a later call trained on the first call's data."""
+    monkeypatch.setattr(sf, "_cuda_graphs", lambda chunk, dev, sizes: [_Replay(chunk, k) for k in sizes])
+    monkeypatch.setattr(sf.FusedFit, "_cuda", property(lambda self: True))
+
+    def no_compile(self, fn, kind, inductor_options):
+        raise RuntimeError("inductor cannot take it")
+
+    monkeypatch.setattr(sf.FusedFit, "_compile", no_compile)
+    big_x = torch.cat([X] * 40)  # 2,000 rows: its repr shows the first and last 3 only
+    other = big_x.clone()
+    other[3:-3] *= -1
+    assert repr({"x": other}) == repr({"x": big_x})
+    batches = [({"x": big_x}, torch.cat([Y] * 40)), ({"x": other}, torch.cat([Y] * 40))]
+    model, optimizer, _ = make("perceptron", "sgd_momentum")
+    fit = sf.fuse(lambda b, y: torch.nn.functional.cross_entropy(model(b["x"]), y), optimizer, steps=4,
+                  chunk=2)
+    losses = np.concatenate([fit(*b).loss for b in batches])
+    ref_model, ref_opt, _ = make("perceptron", "sgd_momentum")
+    ref = np.concatenate([reference_steps(ref_model, ref_opt, 4, b["x"], y) for b, y in batches])
+    assert fit.mode == "fused"
+    np.testing.assert_allclose(losses, ref, rtol=1e-6, atol=1e-7)
+    assert_close_lists(params_of(model), params_of(ref_model))
+
+
+def test_batches_of_many_shapes_each_get_a_program_past_dynamos_recompile_limit(monkeypatch):
+    """Every batch signature compiles a program of its own (the last few kept): one
+    program recompiled by dynamo for each new shape failed hard at its recompile limit
+    (lowered to 1 here; 8 by default)."""
+    import torch._dynamo.config as dynamo_config
+
+    monkeypatch.setattr(dynamo_config, "recompile_limit", 1)
+    model, optimizer, loss_fn = make("perceptron", "sgd")
+    ref_model, ref_opt, _ = make("perceptron", "sgd")
+    fit = sf.fuse(loss_fn, optimizer, steps=3, chunk=1)
+    for rows in (50, 40, 30):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # no fallback
+            losses = fit(X[:rows], Y[:rows]).loss
+        np.testing.assert_allclose(losses, reference_steps(ref_model, ref_opt, 3, X[:rows], Y[:rows]),
+                                   rtol=1e-6, atol=1e-7)
+    assert fit.mode == "fused" and fit.compiles == 3
+    assert_close_lists(params_of(model), params_of(ref_model))

@@ -49,7 +49,7 @@ _MODES = ("fused", "stepwise")
 _DEFAULT_CHUNK = 4  # steps per while_loop iteration (compile cost grows with it; see benchmarks)
 _SEGMENT = 512  # at most this many steps per program call (see FusedFit._cap)
 _GRAPH_CHUNKS = 8  # CUDA: chunks per replay of the long graph (a short one replays one chunk)
-_GRAPH_CACHE = 4  # CUDA: captured programs kept (per batch shapes and hyper-parameters)
+_GRAPH_CACHE = 4  # programs kept (per batch signature and hyper-parameters)
 _INDUCTOR_OPTIONS: Dict[str, Any] = {"cpp_wrapper": True}
 """Inductor options of the fused program: the C++ wrapper runs the loop without Python."""
 
@@ -217,6 +217,29 @@ def _host(loss: torch.Tensor) -> np.generic:
     """A loss as a NumPy scalar for the stepwise driver: float64 stays float64, any other
     float (float16 and bfloat16 too, exactly) is a float32, as in the fused trace."""
     return np.float64(loss.item()) if loss.dtype == torch.float64 else np.float32(loss.item())
+
+
+def _tree_leaves(tree) -> list:
+    from torch.utils._pytree import tree_leaves
+
+    return tree_leaves(tree)
+
+
+def _tree_map(fn, tree):
+    from torch.utils._pytree import tree_map
+
+    return tree_map(fn, tree)
+
+
+def _batch_key(batch) -> tuple:
+    """What a compiled program is specialised to: the batch's nesting and, per leaf, a
+    tensor's shape, dtype and device or another value itself (never a tensor's repr,
+    which elides the values of a large one)."""
+    from torch.utils._pytree import tree_flatten
+
+    leaves, spec = tree_flatten(tuple(batch))
+    return (str(spec),) + tuple((tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor)
+                                else (type(t).__name__, repr(t)) for t in leaves)
 
 
 def _all_finite(tensors) -> bool:
@@ -570,7 +593,7 @@ class FusedFit:
         i64 = lambda: torch.zeros((), dtype=torch.int64, device=dev)  # noqa: E731
         s = types.SimpleNamespace()
         s.n, s.i0, s.base = i64(), i64(), i64()
-        s.batch = tuple(b.detach().clone() if isinstance(b, torch.Tensor) else b for b in batch)
+        s.batch = _tree_map(lambda b: b.detach().clone() if isinstance(b, torch.Tensor) else b, tuple(batch))
         s.carry = [i64(), torch.zeros((), dtype=torch.int32, device=dev), i64(),
                    prev.detach().clone(), prev.detach().clone(),
                    torch.full((nslots,), math.nan, dtype=prev.dtype, device=dev),
@@ -601,7 +624,7 @@ class FusedFit:
 
     def _run_cuda_graph(self, n, i0, prev, params, states, batch):
         s, re = self._program, self.opts.record_every
-        for dst, src in zip(s.batch, batch):
+        for dst, src in zip(_tree_leaves(s.batch), _tree_leaves(tuple(batch))):  # nested ones too
             if isinstance(dst, torch.Tensor):
                 dst.copy_(src)
         P = len(params)
@@ -700,22 +723,20 @@ class FusedFit:
     def _ensure_program(self, batch) -> None:
         """Build (compile / capture) the fused program if needed; may fall back to stepwise.
 
-        The compiled program is rebuilt when a group's hyper-parameters change (they are
-        baked in); new batch shapes recompile through dynamo's own guards. CUDA graphs are
-        captured per batch shapes and hyper-parameters, and the last `_GRAPH_CACHE` of
-        them are kept (a smaller last batch of an epoch does not recapture every epoch).
+        A program serves one set of hyper-parameters (they are compiled in) and one batch
+        signature (shapes, dtypes, nesting): each new one builds its own program, and the
+        last `_GRAPH_CACHE` of them are kept (a smaller last batch of an epoch does not
+        recompile every epoch). A program of its own per signature, rather than dynamo's
+        recompiles of one, never meets dynamo's recompile limit with varying shapes.
         """
-        key = self._hyper_key()
-        if self._cuda:
-            key += tuple((tuple(b.shape), b.dtype) if isinstance(b, torch.Tensor) else repr(b)
-                         for b in batch)
+        key = (self._hyper_key(), _batch_key(batch))
         if self._program is not None and self._program_key == key:
             return
-        if self._cuda and key in self._captured:
+        if key in self._captured:
             self._captured.move_to_end(key)
             self._program, self._program_key = self._captured[key], key
             return
-        if self._program is not None and self._program_key[:len(self._hyper_key())] != self._hyper_key():
+        if self._program is not None and self._program_key[0] != key[0]:
             warnings.warn(
                 "stepfuse.torch: the optimizer's hyper-parameters changed (an lr scheduler, a "
                 "changed param_group): torch.optim's update rules read them as Python numbers, "
@@ -744,10 +765,9 @@ class FusedFit:
                             "silence this warning.")
             return
         self._program_key = key
-        if self._cuda:
-            self._captured[key] = self._program
-            while len(self._captured) > _GRAPH_CACHE:
-                self._captured.popitem(last=False)
+        self._captured[key] = self._program
+        while len(self._captured) > _GRAPH_CACHE:
+            self._captured.popitem(last=False)
 
     def _hyper_key(self) -> tuple:
         """Every group's hyper-parameters (compiled into the fused program)."""
@@ -939,7 +959,7 @@ class FusedFit:
                 stop = Stop(code)
                 if notify is not None and applied and self.step % every == 0:
                     notify(self.step, float(last))
-                    if i < n and self._program_key[:len(self._hyper_key())] != self._hyper_key():
+                    if i < n and self._program_key[0] != self._hyper_key():
                         # The callback changed a hyper-parameter (its lr ...): the rest of the
                         # call runs with it, as the stepwise loop would.
                         self._ensure_program(batch)
