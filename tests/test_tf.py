@@ -164,6 +164,23 @@ def test_stepwise_mode_is_the_same_loop(data):
         np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("jit", [True, False], ids=["xla", "noxla"])
+def test_dropout_draws_the_same_masks_in_both_modes(jit, data):
+    """The stepwise step is XLA-compiled when the fused loop is, so random ops draw alike
+    (XLA's random numbers differ from TF's: the masks differed between the modes)."""
+    x, y = data
+    out = {}
+    for mode in ("fused", "stepwise"):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((2,))
+        hidden = keras.layers.Dropout(0.3, seed=1)(keras.layers.Dense(8, activation="relu")(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(2)(hidden))
+        loss_fn = lambda x, y, model=model: tf.reduce_mean(  # noqa: E731
+            tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x, training=True)))
+        fit = sf.fuse(loss_fn, keras.optimizers.SGD(0.05), model, steps=4, jit_compile=jit, mode=mode)
+        out[mode] = np.concatenate([fit(x, y).loss, fit(x, y, steps=2).loss])
+    np.testing.assert_allclose(out["fused"], out["stepwise"], rtol=RTOL, atol=ATOL)
+
 @pytest.mark.parametrize("mode", ["fused", "stepwise"])
 def test_nested_batches_reach_loss_fn_as_given(mode, data):
     """A dict or a tuple of tensors of different dtypes as one batch argument, as Keras

@@ -570,24 +570,44 @@ class Fit:
         tf.cond(finite, tf.no_op, lambda: tf.group(*[v.assign(o) for v, o in zip(self._held, held)]))
         return loss, finite, new
 
+    def _propose_once(self, batch):
+        """One proposed step through a ``tf.function``, XLA-compiled as the fused loop is
+        (so random ops, e.g. Dropout, draw what the fused loop draws), or without XLA if an
+        op cannot be compiled (a warning, as for the fused loop)."""
+        if self._single is None:
+            self._single = (tf.function(self._propose_py, autograph=False, jit_compile=self.jit_compile),
+                            tf.function(self._commit_py, autograph=False))
+            self.traces += 1
+        if "stepwise" in self._compiled or not self.jit_compile:
+            return self._single[0](*batch)
+        try:
+            out = self._single[0](*batch)
+        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as e:
+            msg = str(e)
+            if not any(s in msg for s in ("XLA", "xla", "compil", "Compil")):
+                raise
+            warnings.warn(
+                "stepfuse.tf: the step could not be XLA-compiled, so it runs without XLA. Pass "
+                f"jit_compile=False to silence this. Cause: {msg.splitlines()[0][:300]}",
+                RuntimeWarning, stacklevel=4)
+            self.jit_compile = False
+            self._build()
+            return self._propose_once(batch)
+        self._compiled.add("stepwise")
+        return out
+
     def _commit_py(self, new):
         for v, value in zip(self._state, new):
             v.assign(value)
 
     def _call_stepwise(self, batch, n, start) -> Trace:
-        if self._single is None:
-            self._single = (tf.function(self._propose_py, autograph=False),
-                            tf.function(self._commit_py, autograph=False))
-            self.traces += 1
-        propose_fn, commit_fn = self._single
-
         def propose():
-            loss, finite, new = propose_fn(*batch)
+            loss, finite, new = self._propose_once(batch)
             return loss.numpy(), bool(finite), new
 
         def commit(new):
             with deferred_interrupts():  # variables, optimizer state and step move together
-                commit_fn(new)
+                self._single[1](new)
                 self.step += 1
 
         with Notifier(self.opts, start, n, label="stepfuse.tf") as notifier:
@@ -665,8 +685,9 @@ def fuse(
       variables: a list of trainable float ``tf.Variable`` / ``keras.Variable``, a
         ``tf.Module`` or a built Keras model (its ``trainable_variables``).
     {options}
-      jit_compile: XLA-compile the step loop (default). If an op can't be compiled, the
-        first call warns and falls back to a plain ``tf.function`` loop.
+      jit_compile: XLA-compile the step loop (default), and the stepwise mode's step (so
+        random ops draw what the fused loop draws). If an op can't be compiled, the first
+        call warns and falls back to a plain ``tf.function``.
 
     Returns:
       a `Fit`; ``trace = fit(*batch, steps=None)`` updates the variables and the optimizer
