@@ -375,3 +375,46 @@ def test_a_keras_layer_made_inside_loss_fn_gets_the_fix():
         with pytest.raises(ValueError, match="make them once before fuse, outside loss_fn"):
             v1.fuse(lambda: sparse_ce(y, keras.layers.Dense(2)(x)), tf1.train.GradientDescentOptimizer(0.1),
                     steps=3)
+
+
+@pytest.mark.parametrize("kind", ["fused", "stepwise"])
+def test_global_step_counts_applied_updates_and_drives_a_callable_schedule(kind):
+    """As minimize(loss, global_step=gs): each applied update increments it, and a learning
+    rate given as a callable of it decays at every step of a run (fuse had no global_step)."""
+    def build(how):
+        g = tf.Graph()
+        with g.as_default():
+            x = tf1.placeholder(tf.float32, [None, 2])
+            y = tf1.placeholder(tf.int32, [None])
+            k = tf1.get_variable("k", initializer=tf.constant([[1.0, 0.5], [-0.5, 1.0]]))
+            gs = tf1.train.get_or_create_global_step()
+            opt = tf1.train.GradientDescentOptimizer(lambda: tf1.train.exponential_decay(0.5, gs, 1, 0.5))
+            loss_fn = lambda: sparse_ce(y, tf.matmul(x, k))  # noqa: E731
+            if how == "plain":
+                loss = loss_fn()
+                handle = (opt.minimize(loss, global_step=gs), loss)
+            else:
+                handle = v1.fuse(loss_fn, opt, steps=4, global_step=gs, mode=how)
+            init = tf1.global_variables_initializer()
+        s = tf1.Session(graph=g)
+        s.run(init)
+        return s, handle, k, gs, {x: XS, y: YS}
+
+    s, f, k, gs, fd = build(kind)
+    losses = np.concatenate([f.run(s, fd, steps=n).loss for n in (3, 1)])
+    r, (op, loss), rk, rgs, rd = build("plain")
+    ref = [r.run([loss, op], rd)[0] for _ in range(4)]
+    np.testing.assert_allclose(losses, ref, rtol=1e-6)
+    np.testing.assert_allclose(s.run(k), r.run(rk), rtol=1e-6)
+    assert s.run(gs) == r.run(rgs) == 4
+
+
+def test_a_learning_rate_tensor_of_the_global_step_is_named_as_read_once_per_run():
+    with tf.Graph().as_default():
+        gs = tf1.train.get_or_create_global_step()
+        w = tf1.get_variable("w", initializer=tf.ones([2]))
+        opt = tf1.train.GradientDescentOptimizer(tf1.train.exponential_decay(0.5, gs, 1, 0.5))
+        with pytest.warns(RuntimeWarning, match="learning_rate is a tensor computed from a variable"):
+            v1.fuse(lambda: tf.reduce_sum(w ** 2), opt, steps=3, global_step=gs)
+        with pytest.raises(TypeError, match="`global_step`"):
+            v1.fuse(lambda: tf.reduce_sum(w ** 2), opt, steps=3, global_step=3)

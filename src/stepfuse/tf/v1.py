@@ -9,6 +9,7 @@ chained copies of the step), kept as the baseline the tests and benchmarks compa
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
@@ -89,6 +90,24 @@ def _variable_reads(tensor) -> list:
     return reads
 
 
+def _warn_stale_hyper_parameters(optimizer, state) -> None:
+    """Warn where a hyper-parameter of ``optimizer`` is a tensor computed from a variable
+    the loop changes (a learning rate decaying with the global step): the loop reads it
+    once per run, where one ``minimize`` per run would read it at every step."""
+    handles = {v.handle.name for v in state if getattr(v, "handle", None) is not None}
+    for name, value in sorted(vars(optimizer).items()):
+        if not isinstance(value, tf.Tensor) or value.dtype == tf.resource:
+            continue
+        read = {t.name for op in _variable_reads(value) for t in op.inputs if t.dtype == tf.resource}
+        if read & handles:
+            warnings.warn(
+                f"stepfuse.tf.v1: the optimizer's {name.lstrip('_')} is a tensor computed from a "
+                "variable the loop changes (the global step?): it is read once per run, so every "
+                "step of a run uses the same value. Give the optimizer a callable instead, e.g. "
+                "learning_rate=lambda: tf1.train.exponential_decay(..., global_step, ...), which it "
+                "evaluates at every step.", RuntimeWarning, stacklevel=3)
+
+
 def _reuse_scope():
     return tf1.variable_scope(tf1.get_variable_scope(), reuse=True)
 
@@ -123,7 +142,7 @@ def _prepare(loss_fn, optimizer, var_list):
     return loss0, var_list, state
 
 
-def _step_ops(loss_fn, optimizer, var_list, state):
+def _step_ops(loss_fn, optimizer, var_list, state, global_step=None):
     """One proposed step, ops ordered explicitly: ``(loss, snapshot, new, ok)``, the state
     before and after the optimizer's update and whether loss, gradients and new state are
     all finite (the caller keeps or restores the update)."""
@@ -141,7 +160,7 @@ def _step_ops(loss_fn, optimizer, var_list, state):
     with tf.control_dependencies([loss] + [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]):
         snapshot = [tf.identity(v.read_value()) for v in state]
     with tf.control_dependencies(snapshot + [loss]):
-        apply = optimizer.apply_gradients(gvs)
+        apply = optimizer.apply_gradients(gvs, global_step=global_step)
     with tf.control_dependencies([apply]):
         new = [tf.identity(v.read_value()) for v in state]
     return loss, snapshot, new, _all_finite([loss, *grads, *new])
@@ -239,6 +258,7 @@ def fuse(
     jit_compile: bool = True,
     chunk: Optional[int] = None,
     on_nonfinite: str = "stop",
+    global_step=None,
 ):
     """Build ``steps`` TF1 optimizer updates that run inside one ``sess.run``.
 
@@ -270,6 +290,11 @@ def fuse(
         makes ``run(...)`` also raise `stepfuse.NonFiniteError` (``error.step`` counts the
         updates applied by this object's ``run`` calls). A bare ``sess.run(train_op)``
         cannot raise: read ``stop`` then. Either way the refused update is not applied.
+      global_step: an integer variable incremented by each applied update, as with
+        ``optimizer.minimize(loss, global_step=...)`` (not by a refused one). A learning
+        rate that decays with it must be given as a callable, e.g. ``learning_rate=lambda:
+        tf1.train.exponential_decay(0.5, global_step, 100, 0.9)``, which the optimizer
+        evaluates at every step; a tensor is read once per run (a warning says so).
       chunk: the most steps one compiled inner loop runs (XLA needs a static-size loss
         buffer). Default: ``steps`` (at least 256) for an int ``steps``, 1024 for a tensor.
         With an int ``steps`` a run is one call of that loop, so it takes at most ``chunk``
@@ -307,10 +332,19 @@ def fuse(
         opts = check_options(1, tol, record_every, on_nonfinite=on_nonfinite, mode=mode)
     else:
         opts = check_options(steps, tol, record_every, on_nonfinite=on_nonfinite, mode=mode)
+    if global_step is not None and not (isinstance(global_step, tf.Variable)
+                                        and global_step.dtype.base_dtype.is_integer
+                                        and global_step.shape.rank == 0):
+        _fail(TypeError, "global_step", global_step, "None or a scalar integer variable",
+              "Pass e.g. tf1.train.get_or_create_global_step().")
     loss0, var_list, state = _prepare(loss_fn, optimizer, var_list)
+    if global_step is not None and all(v is not global_step for v in state):
+        state = state + [global_step]  # a refused update leaves it too; stepwise commits it
+    _warn_stale_hyper_parameters(optimizer, state)
     if mode == "stepwise":
         return _build_stepwise(loss_fn, optimizer, var_list, state, opts, loss0,
-                               steps_given if isinstance(steps_given, (tf.Tensor, tf.Variable)) else None)
+                               steps_given if isinstance(steps_given, (tf.Tensor, tf.Variable)) else None,
+                               global_step)
     if isinstance(steps_given, (tf.Tensor, tf.Variable)):
         n = tf.cast(steps_given, tf.int32)
     else:
@@ -321,7 +355,7 @@ def fuse(
     cap = -(-chunk // opts.record_every)
 
     def step():
-        loss, snapshot, new, ok = _step_ops(loss_fn, optimizer, var_list, state)
+        loss, snapshot, new, ok = _step_ops(loss_fn, optimizer, var_list, state, global_step)
 
         def keep():
             return tf.constant(True)
@@ -392,8 +426,9 @@ def fuse(
                  max_steps=None if isinstance(steps_given, (tf.Tensor, tf.Variable)) else chunk)
 
 
-def _build_stepwise(loss_fn, optimizer, var_list, state, opts: Options, loss0, steps_tensor=None):
-    loss, snapshot, new, finite = _step_ops(loss_fn, optimizer, var_list, state)
+def _build_stepwise(loss_fn, optimizer, var_list, state, opts: Options, loss0, steps_tensor=None,
+                    global_step=None):
+    loss, snapshot, new, finite = _step_ops(loss_fn, optimizer, var_list, state, global_step)
     with tf.control_dependencies(new + [finite, loss]):
         restore = tf.group(*[v.assign(old) for v, old in zip(state, snapshot)])
     with tf.control_dependencies([restore]):
