@@ -182,6 +182,24 @@ def test_dropout_draws_the_same_masks_in_both_modes(jit, data):
     np.testing.assert_allclose(out["fused"], out["stepwise"], rtol=RTOL, atol=ATOL)
 
 @pytest.mark.parametrize("mode", ["fused", "stepwise"])
+def test_an_op_xla_cannot_compile_falls_back_with_a_warning_at_the_call(mode, data):
+    x, y = data
+    _, ref_vars, ref_loss = make_problem("perceptron")
+    ref = reference_steps(ref_loss, keras.optimizers.SGD(0.1), ref_vars, x, y, 4)
+    _, variables, loss_fn = make_problem("perceptron")
+
+    def with_host_op(x, y):  # a Python function on the host: XLA refuses it
+        count = tf.reshape(tf.numpy_function(lambda v: np.int64(v.size), [y], tf.int64, stateful=False), [])
+        return loss_fn(x, y) + 0.0 * tf.cast(count, tf.float32)
+
+    fit = sf.fuse(with_host_op, keras.optimizers.SGD(0.1), variables, steps=3, mode=mode)
+    with pytest.warns(RuntimeWarning, match="could not be XLA-compiled") as caught:
+        losses = list(fit(x, y).loss)
+    assert caught[0].filename == __file__ and not fit.jit_compile
+    losses += list(fit(x, y, steps=1).loss)
+    np.testing.assert_allclose(losses, ref, rtol=RTOL, atol=ATOL)
+
+@pytest.mark.parametrize("mode", ["fused", "stepwise"])
 def test_nested_batches_reach_loss_fn_as_given(mode, data):
     """A dict or a tuple of tensors of different dtypes as one batch argument, as Keras
     users pass them (they were converted to one tensor: refused or stacked)."""

@@ -537,7 +537,12 @@ class Fit:
                 if self._published is not None and int(applied):
                     self._steps_per_second = int(applied) / (time.perf_counter() - t0)
                 return losses, applied, stop, last
-        if whole in self._compiled or not self.jit_compile:
+        return self._xla_or_plain(whole, run, "the fused loop", stacklevel=4)
+
+    def _xla_or_plain(self, key, run, what: str, stacklevel: int):
+        """``run()``. Its first run with XLA (per ``key``) falls back to programs without
+        XLA, with a warning, if XLA cannot compile an op."""
+        if key in self._compiled or not self.jit_compile:
             out = run()
         else:
             try:
@@ -548,13 +553,13 @@ class Fit:
                         s in msg for s in ("XLA", "xla", "compil", "Compil")):
                     raise
                 warnings.warn(
-                    "stepfuse.tf: the fused loop could not be XLA-compiled, so it runs without "
-                    f"XLA (slower). Pass jit_compile=False to silence this. Cause: {msg.splitlines()[0][:300]}",
-                    RuntimeWarning, stacklevel=3)
+                    f"stepfuse.tf: {what} could not be XLA-compiled, so it runs without XLA "
+                    f"(slower). Pass jit_compile=False to silence this. Cause: {msg.splitlines()[0][:300]}",
+                    RuntimeWarning, stacklevel=stacklevel)
                 self.jit_compile = False
                 self._build()
                 out = run()
-        self._compiled.add(whole)
+        self._compiled.add(key)
         return out
 
     # -- the stepwise reference -------------------------------------------------------
@@ -572,42 +577,31 @@ class Fit:
 
     def _propose_once(self, batch):
         """One proposed step through a ``tf.function``, XLA-compiled as the fused loop is
-        (so random ops, e.g. Dropout, draw what the fused loop draws), or without XLA if an
-        op cannot be compiled (a warning, as for the fused loop)."""
+        (so random ops, e.g. Dropout, draw what the fused loop draws)."""
+        return self._xla_or_plain("stepwise", lambda: self._stepwise_functions()[0](*batch), "the step",
+                                  stacklevel=7)
+
+    def _stepwise_functions(self):
         if self._single is None:
             self._single = (tf.function(self._propose_py, autograph=False, jit_compile=self.jit_compile),
                             tf.function(self._commit_py, autograph=False))
             self.traces += 1
-        if "stepwise" in self._compiled or not self.jit_compile:
-            return self._single[0](*batch)
-        try:
-            out = self._single[0](*batch)
-        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as e:
-            msg = str(e)
-            if not any(s in msg for s in ("XLA", "xla", "compil", "Compil")):
-                raise
-            warnings.warn(
-                "stepfuse.tf: the step could not be XLA-compiled, so it runs without XLA. Pass "
-                f"jit_compile=False to silence this. Cause: {msg.splitlines()[0][:300]}",
-                RuntimeWarning, stacklevel=4)
-            self.jit_compile = False
-            self._build()
-            return self._propose_once(batch)
-        self._compiled.add("stepwise")
-        return out
+        return self._single
 
     def _commit_py(self, new):
         for v, value in zip(self._state, new):
             v.assign(value)
 
     def _call_stepwise(self, batch, n, start) -> Trace:
+        self._callback_error = None  # a fused call's, which would hide an XLA failure here
+
         def propose():
             loss, finite, new = self._propose_once(batch)
             return loss.numpy(), bool(finite), new
 
         def commit(new):
             with deferred_interrupts():  # variables, optimizer state and step move together
-                self._single[1](new)
+                self._stepwise_functions()[1](new)
                 self.step += 1
 
         with Notifier(self.opts, start, n, label="stepfuse.tf") as notifier:
