@@ -176,7 +176,8 @@ def test_tf1_reference_variables_are_refused_with_the_fix():
             b = tf1.get_variable("bias", initializer=P["bias"], use_resource=False)
             return ce(y, tf.matmul(x, k) + b)
 
-        with pytest.raises(TypeError, match=r"`var_list`.*reference variable.*enable_resource_variables"):
+        with pytest.raises(TypeError, match=r"`var_list`.*got None \(NoneType\).*"
+                                            r"reference variable.*enable_resource_variables"):
             v1.fuse(loss, tf1.train.GradientDescentOptimizer(0.1), steps=3)
 
 

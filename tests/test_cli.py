@@ -44,7 +44,13 @@ def test_demo_with_the_stale_gradient_fails_its_check(tmp_path):
         (["demo", "--backend", "mxnet"], "unknown backend"),
         (["demo", "--plot", "/nonexistent-folder/plot.png"], "--plot"),
         (["demo", "--lr", "-1"], "--lr"),
+        (["demo", "--lr", "inf"], "--lr must be a finite number"),
+        (["demo", "--plot", "out.xyz"], "ending in .png"),
+        (["demo", "--plot", "/proc/plot.png"], "cannot write there"),
+        (["demo", "--plot", ""], "an empty file name"),
+        (["demo", "--json", ""], "an empty file name"),
         (["bench", "--backends", "caffe"], "unknown backend"),
+        (["bench", "--sizes", "wide", "--steps", "100"], "nothing to time"),
         (["frobnicate"], "invalid choice"),
     ],
 )
@@ -82,3 +88,29 @@ def test_bench_quick_has_every_contender_of_every_backend(tmp_path):
             assert got == set(module.CONTENDERS), (backend, size, got)
             assert all(r["us_per_step"] > 0 for r in results if r["backend"] == backend)
     print(f"bench --quick took {elapsed:.0f} s")
+
+
+def test_matplotlib_missing_is_a_usage_error_before_the_run(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    t0 = time.perf_counter()
+    assert main(["demo", "--plot", "out.png"]) == 2
+    assert "pip install 'stepfuse[plot]'" in capsys.readouterr().err
+    assert time.perf_counter() - t0 < 5  # refused up front, not after the demo ran
+
+
+def test_stale_gradient_note_is_printed(tmp_path, capsys):
+    main(["demo", "--backend", available_backends()[0], "--calls", "2", "--timing-steps", "10",
+          "--stale-gradient"])
+    assert "[stale gradient: the first gradient applied N times]" in capsys.readouterr().out
+
+
+def test_python_dash_m_stepfuse_is_the_command():
+    proc = subprocess.run([sys.executable, "-m", "stepfuse", "demo", "--steps", "0"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 2 and "--steps" in proc.stderr
+
+
+def test_stop_prints_its_name():
+    from stepfuse import Stop
+
+    assert str(Stop.NONFINITE) == f"{Stop.NONFINITE}" == "Stop.NONFINITE" and Stop.NONFINITE == 2

@@ -33,6 +33,9 @@ class Stop(enum.IntEnum):
     def message(self) -> str:
         return _MESSAGES[self]
 
+    def __str__(self) -> str:  # print(trace.stop) says which, not the bare code
+        return f"Stop.{self.name}"
+
 
 _MESSAGES = {
     Stop.STEPS: "Ran all requested steps.",

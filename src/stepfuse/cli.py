@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -41,21 +42,44 @@ def _positive_float(text):
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--lr must be a number > 0, got {text!r}")
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"--lr must be > 0, got {text}")
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"--lr must be a finite number > 0, got {text}")
     return value
 
 
 def _writable(path: Optional[str], flag: str) -> None:
+    """Refuse, before anything runs, a path the run could not write at its end."""
     if path is None:
         return
+    if not path.strip():
+        raise UsageError(f"{flag} {path!r}: an empty file name; give a file path, e.g. {flag} out"
+                         + (".png" if flag == "--plot" else ".json"))
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise UsageError(f"{flag} {path}: folder {folder} does not exist")
-    if os.path.isdir(path) or not os.access(folder, os.W_OK) or (
-        os.path.exists(path) and not os.access(path, os.W_OK)
-    ):
-        raise UsageError(f"{flag} {path}: cannot write there; pick a writable file path")
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a folder; give a file path")
+    existed = os.path.exists(path)
+    try:  # os.access says yes to root even where the file system says no (/sys, /proc)
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write there ({e.strerror}); pick a writable file path")
+    if not existed:
+        os.unlink(path)
+
+
+def _plottable(path: Optional[str]) -> None:
+    """``--plot``: matplotlib installed and a PNG file name, checked before the run."""
+    if path is None:
+        return
+    if path.strip() and not path.lower().endswith(".png"):
+        raise UsageError(f"--plot {path}: the plot is a PNG; give a file name ending in .png")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'stepfuse[plot]'") from None
+    _writable(path, "--plot")
 
 
 def _backend(name: Optional[str], flag: str = "--backend") -> str:
@@ -115,7 +139,7 @@ def _print_demo(r) -> None:
     verdict = "PASSED" if r.check_passed else "FAILED"
     console.print(f"check: row k of the {r.steps}-step table == row {r.steps}*k of the 1-step table: "
                   f"[bold]{verdict}[/bold] (max |diff| {r.max_abs_diff:.2e})"
-                  + ("  [stale gradient: the first gradient applied N times]" if r.stale_gradient else ""))
+                  + ("  \\[stale gradient: the first gradient applied N times]" if r.stale_gradient else ""))
     console.print(f"time per step: fused {r.fused_us_per_step:.2f} us, one step per call "
                   f"{r.stepwise_us_per_step:.2f} us -> [bold]{r.speedup:.1f}x[/bold] faster fused")
 
@@ -135,7 +159,7 @@ def _plot_demo(r, path: str) -> None:
     ax.set_title(f"stepfuse demo ({r.backend}): {'check passed' if r.check_passed else 'CHECK FAILED'}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")
     plt.close(fig)
 
 
@@ -145,14 +169,14 @@ def _demo(args) -> int:
     from .demo import run_seed
 
     backend = _backend(args.backend)
-    _writable(args.plot, "--plot")
+    _plottable(args.plot)
     _writable(args.json, "--json")
     r = run_seed(backend, args.steps, args.calls, args.lr, stale_gradient=args.stale_gradient,
                  timing_steps=args.timing_steps)
     _print_demo(r)
-    if args.plot:
+    if args.plot is not None:
         _plot_demo(r, args.plot)
-    if args.json:
+    if args.json is not None:
         with open(args.json, "w") as f:
             json.dump({**dataclasses.asdict(r), "speedup": r.speedup}, f, indent=2)
     return 0 if r.check_passed else 1
@@ -161,13 +185,20 @@ def _demo(args) -> int:
 def _bench(args) -> int:
     from .bench._timing import Result, print_table
 
-    backends = [_backend(b, "--backends") for b in args.backends] if args.backends else available_backends()
+    backends = ([_backend(b, "--backends") for b in dict.fromkeys(args.backends)] if args.backends
+                else available_backends())
     if not backends:
         raise UsageError("no backend installed: pip install 'stepfuse[jax]' (or [tf], [torch])")
     _writable(args.json, "--json")
-    _writable(args.plot, "--plot")
+    _plottable(args.plot)
     sizes = args.sizes or (["seed", "mlp"] if args.quick else ["seed", "mlp", "wide"])
     steps = args.steps or ([10, 100] if args.quick else [1, 10, 100, 1000, 10_000])
+    from .bench.problems import MAX_STEPS
+
+    if not any(n <= MAX_STEPS[size] for size in sizes for n in steps):
+        limits = ", ".join(f"{size} at most {MAX_STEPS[size]}" for size in sizes)
+        raise UsageError(f"--steps {' '.join(map(str, steps))}: no size runs that many steps "
+                         f"({limits}); nothing to time")
     results: List[Result] = []
     for backend in backends:  # each backend in its own process
         with tempfile.TemporaryDirectory() as tmp:
@@ -182,11 +213,11 @@ def _bench(args) -> int:
             with open(out) as f:
                 results += [Result(**r) for r in json.load(f)["results"]]
     print_table(results, title="stepfuse bench (x stepfuse = contender us/step / stepfuse us/step)")
-    if args.json:
+    if args.json is not None:
         from .bench._timing import write_json
 
         write_json(results, args.json, command="stepfuse bench " + " ".join(sys.argv[2:]))
-    if args.plot:
+    if args.plot is not None and results:
         from .bench._plot import plot_results
 
         plot_results(results, args.plot)

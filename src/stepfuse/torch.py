@@ -470,9 +470,10 @@ class FusedFit:
             names.setdefault(id(p), name)
         missing = [i for i, p in enumerate(self._params) if id(p) not in names]
         if missing:
-            where = "the `model` given" if model is not None else "no nn.Module that `loss_fn` closes over"
-            return (f"{len(missing)} of the optimizer's parameters belong to {where}; pass "
-                    "fuse(..., model=the_module) with the module that holds them.")
+            where = ("do not belong to the `model` given" if model is not None
+                     else "belong to no nn.Module that `loss_fn` closes over")
+            return (f"{len(missing)} of the optimizer's parameters {where}; pass "
+                    "fuse(..., model=the_module) with the module that holds them all.")
         self._wrapper, self._names = wrapper, [names[id(p)] for p in self._params]
         held = {id(p) for p in self._params}
         self._others = [name for name, p in wrapper.named_parameters()  # one name per tensor

@@ -43,7 +43,9 @@ def plot_results(results, path: str) -> None:
         ax.set_title(problem)
         ax.grid(True, which="major", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0.22, 1, 1))
-    fig.savefig(path, dpi=120)
+    ncol = min(4, 2 * len(panels))  # two columns fit a 5.5-inch panel's width
+    rows = -(-len(labels) // ncol)
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, min(0.5, 0.04 + 0.035 * rows * 4.5 / fig.get_figheight()), 1, 1))
+    fig.savefig(path, dpi=120, format="png")
     plt.close(fig)

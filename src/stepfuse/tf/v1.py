@@ -52,9 +52,10 @@ def _as_var(v):
     return v
 
 
-def _check_var_list(var_list, given) -> list:
-    fix = ("Pass var_list=None for the graph's trainable variables, or a non-empty list of "
-           "trainable floating-point variables that loss_fn reads.")
+def _check_var_list(var_list, given, found: str = "") -> list:
+    """``found``: for ``var_list=None``, which variables that took (said in every error)."""
+    fix = found + ("Pass var_list=None for the graph's trainable variables, or a non-empty list of "
+                   "trainable floating-point variables that loss_fn reads.")
     if var_list is None or isinstance(var_list, (str, bytes)) or not hasattr(var_list, "__iter__"):
         _fail(TypeError, "var_list", given, "a list of variables or None", fix)
     var_list = [_as_var(v) for v in var_list]
@@ -128,9 +129,11 @@ def _prepare(loss_fn, optimizer, var_list):
         everything = tf1.trainable_variables()
         var_list = [v for v in everything if v.dtype.name.endswith("_ref")  # refused below, by name
                     or (getattr(v, "handle", None) is not None and v.handle.name in read)]
-        given = (f"None (the trainable variables {[v.name for v in everything]}, of which the loss "
-                 f"reads {[v.name for v in var_list]})")
-    var_list = _check_var_list(var_list, given)
+        found = (f"var_list=None took the trainable variables the loss reads: "
+                 f"{[v.name for v in var_list]} of {[v.name for v in everything]}. ")
+    else:
+        found = ""
+    var_list = _check_var_list(var_list, given, found)
     # Slot and non-slot variables (momentum, Adam moments and beta powers) are created
     # here, outside the loop, so the loop body only reads and writes them.
     create = getattr(optimizer, "_create_slots", None)
