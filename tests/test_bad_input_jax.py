@@ -81,6 +81,9 @@ CASES = [
       for v in (0, -2, 1.5, "2", True)],
     ("call steps above the built steps", lambda: call(steps=4), ValueError,
      r"`steps`.*at most 3.*fuse\(\.\.\., steps=4\)"),
+    ("call steps above the built steps, stepwise", lambda: call(sf.fuse(perceptron_loss, optax.sgd(0.1), steps=3,
+                                                                      mode="stepwise"), steps=4),
+     ValueError, r"`steps`.*at most 3"),
     # -- tol
     *[(f"tol={v!r}", (lambda v=v: build(tol=v)), (TypeError, ValueError), "`tol`")
       for v in (-1.0, float("nan"), "1e-3", True, [1e-3])],

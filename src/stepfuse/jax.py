@@ -356,7 +356,7 @@ class Fit:
                 f"`state` must be a stepfuse.jax.FitState; got {type(state).__name__}. "
                 "Make one with fit.init(params) and pass the state each call returns."
             )
-        n = check_call_steps(steps, self.opts, capped=self.opts.mode == "fused")
+        n = check_call_steps(steps, self.opts, capped=True)  # both modes: one contract
         if self.opts.mode == "stepwise":
             if _inside_a_trace():
                 raise TypeError(
