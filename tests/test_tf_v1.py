@@ -418,3 +418,43 @@ def test_a_learning_rate_tensor_of_the_global_step_is_named_as_read_once_per_run
             v1.fuse(lambda: tf.reduce_sum(w ** 2), opt, steps=3, global_step=gs)
         with pytest.raises(TypeError, match="`global_step`"):
             v1.fuse(lambda: tf.reduce_sum(w ** 2), opt, steps=3, global_step=3)
+
+
+@pytest.mark.parametrize("kind, steps", [("fused", 5), ("fused", "placeholder"), ("stepwise", 5)],
+                         ids=["int", "tensor", "stepwise"])
+def test_callback_every_k_updates_with_global_step_numbers_across_runs(kind, steps):
+    """callback/every as in the other backends (TF1 had none): the host is called between
+    chunks of the compiled loop, numbered over runs, bare sess.run included."""
+    got = []
+    g, s, f, x, y = seed_graph(steps, kind=kind, callback=lambda step, loss: got.append((step, loss)), every=2)
+    fed = feed(x, y)
+    losses = []
+    for n in (5, 3):
+        if steps == "placeholder":
+            fed[f.steps] = n
+            losses.append(f.run(s, fed).loss)
+        else:
+            losses.append(f.run(s, fed, steps=n).loss)
+    losses = np.concatenate(losses)
+    assert [step for step, _ in got] == [2, 4, 6, 8] and f.step == 8
+    # each notification carries the loss of the update that reached its step
+    np.testing.assert_allclose([loss for _, loss in got], losses[[1, 3, 5, 7]], rtol=1e-6)
+    if kind == "fused":
+        s.run(f.train_op, fed)  # a bare sess.run: the numbering goes on in the graph
+        assert [step for step, _ in got][4:] == [10] + ([12] if steps == 5 else [])
+
+
+@pytest.mark.parametrize("kind", ["fused", "stepwise"])
+def test_a_callback_that_raises_stops_the_run_with_its_error(kind):
+    def stop_at_4(step, loss):
+        if step == 4:
+            raise KeyboardInterrupt("enough")
+
+    g, s, f, x, y = seed_graph(6, kind=kind, callback=stop_at_4, every=2)
+    with pytest.raises(KeyboardInterrupt, match="enough"):
+        f.run(s, feed(x, y))
+    assert f.step == 4
+    ref_g, ref_s, ref_f, rx, ry = seed_graph(4, kind=kind)
+    ref_f.run(ref_s, feed(rx, ry))
+    for a, b in zip(s.run(f.var_list), ref_s.run(ref_f.var_list)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)

@@ -272,6 +272,8 @@ def _outer_loop(inner, n, step0, opts: Options, chunk: int, notify=None, publish
                 due,
                 lambda: ticks + tf.reshape(tf.numpy_function(notify, [gstep, prev], _INT), []),
                 lambda: ticks)
+            with tf.control_dependencies([ticks]):  # a TF1 graph would prune the unread count
+                j = tf.identity(j)
         return i + j, applied, stop, prev, ta, k + 1, ticks, clock
 
     ta = tf.TensorArray(dtype, size=0, dynamic_size=True, infer_shape=False, element_shape=[None])

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import tensorflow as tf
 
-from .._loop import finish, run_stepwise
+from .._loop import Notifier, finish, run_stepwise
 from .._options import Options, check_int, check_options, check_steps
 from . import _MIN_CHUNK, _all_finite, _check_loss, _fail, _inner_loop, _outer_loop
 from .._trace import Trace, host_trace
@@ -201,7 +201,21 @@ class Fused:
             if self.max_steps is None or n != self.opts.steps:  # a feed costs ~45 us a run
                 feed[self.steps] = n
         # One fetch: each fetched tensor costs ~10-20 us of sess.run here (see `packed`).
-        packed = sess.run(self.packed, feed)
+        if self.counter is None:
+            packed = sess.run(self.packed, feed)
+        else:
+            self.notes["error"] = self.notes["step"] = None
+            try:
+                packed = sess.run(self.packed, feed)
+            except tf.errors.OpError:
+                error = self.notes["error"]
+                if error is None:
+                    raise
+                # The callback raised: the updates up to its step stay applied (as in a
+                # plain loop), and the step counters say so.
+                sess.run(self.counter_set, {self.counter_value: self.notes["step"]})
+                self.step = self.notes["step"]
+                raise error from None
         tail = packed[-3:].astype(np.int32) if packed.dtype == np.float64 else packed[-3:].view(np.int32)
         count, applied, stop = tail.tolist()
         start = self.step
@@ -237,7 +251,10 @@ class Stepwise:
             self.step += 1
 
         start = self.step
-        return finish(run_stepwise(propose, commit, n, self.opts, start), self.opts, start)
+        with Notifier(self.opts, start, n, label="stepfuse.tf.v1") as notifier:
+            trace = run_stepwise(propose, commit, n, self.opts, start, notifier if self.opts.notify else None)
+            notifier.done(trace.steps)
+        return finish(trace, self.opts, start)
 
 
 def _check_run_steps(steps, most: Optional[int] = None) -> int:
@@ -262,6 +279,8 @@ def fuse(
     chunk: Optional[int] = None,
     on_nonfinite: str = "stop",
     global_step=None,
+    callback: Optional[Callable[[int, float], Any]] = None,
+    every: Optional[int] = None,
 ):
     """Build ``steps`` TF1 optimizer updates that run inside one ``sess.run``.
 
@@ -298,6 +317,12 @@ def fuse(
         rate that decays with it must be given as a callable, e.g. ``learning_rate=lambda:
         tf1.train.exponential_decay(0.5, global_step, 100, 0.9)``, which the optimizer
         evaluates at every step; a tensor is read once per run (a warning says so).
+      callback, every: ``callback(step, loss)`` at every ``every``-th update (``step``
+        counts the updates this object applied, over runs; ``loss`` is that update's).
+        The loop then runs as chunks of the compiled loop chained in a graph loop, which
+        calls the host between them (``tf.numpy_function``), also for an int ``steps``;
+        ``run`` re-raises a callback's exception as it is, and a bare ``sess.run`` raises
+        TF's error wrapping it.
       chunk: the most steps one compiled inner loop runs (XLA needs a static-size loss
         buffer). Default: ``steps`` (at least 256) for an int ``steps``, 1024 for a tensor.
         With an int ``steps`` a run is one call of that loop, so it takes at most ``chunk``
@@ -332,9 +357,9 @@ def fuse(
         if not steps.dtype.base_dtype.is_integer or (steps.shape.rank not in (None, 0)):
             _fail(TypeError, "steps", steps, "an int >= 1 or a scalar integer tensor",
                   "Pass e.g. steps=100 or steps=tf.compat.v1.placeholder(tf.int32, []).")
-        opts = check_options(1, tol, record_every, on_nonfinite=on_nonfinite, mode=mode)
+        opts = check_options(1, tol, record_every, callback, every, on_nonfinite=on_nonfinite, mode=mode)
     else:
-        opts = check_options(steps, tol, record_every, on_nonfinite=on_nonfinite, mode=mode)
+        opts = check_options(steps, tol, record_every, callback, every, on_nonfinite=on_nonfinite, mode=mode)
     if global_step is not None and not (isinstance(global_step, tf.Variable)
                                         and global_step.dtype.base_dtype.is_integer
                                         and global_step.shape.rank == 0):
@@ -396,14 +421,35 @@ def fuse(
     # `loss` fetched with the loop in one run is the loss before the run's updates, as with
     # `sess.run([loss, optimizer.minimize(loss)])`: the loop waits for its variable reads
     # (only the reads: a run of the loop alone does not pay for the forward pass).
+    notes = {"error": None, "step": None}  # from the host side of a callback (see `Fused.run`)
+    counter = counter_value = counter_set = None
+    if opts.notify:  # the updates applied over runs, in the graph: a callback's step numbers
+        with tf1.init_scope():
+            counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="stepfuse_step")
+            counter_value = tf1.placeholder(tf.int64, [], name="stepfuse_step_value")
+            counter_set = counter.assign(counter_value)
+
+    def notify(step, loss):
+        notes["step"] = int(step)
+        try:
+            opts.callback(int(step), float(loss))
+        except BaseException as e:  # noqa: BLE001 - `run` re-raises it as it is
+            notes["error"] = e
+            raise
+        return np.int32(1)
+
     with tf1.name_scope("stepfuse_loop"), tf.control_dependencies(_variable_reads(loss0)):
-        if isinstance(steps_given, (tf.Tensor, tf.Variable)):
+        if isinstance(steps_given, (tf.Tensor, tf.Variable)) or opts.notify:
             inner = tf.function(inner_py, jit_compile=bool(jit_compile), autograph=False)
             positive = tf.debugging.Assert(n >= 1, [
                 "stepfuse.tf.v1: the `steps` tensor must be at least 1 in each run. Got:", n])
             with tf.control_dependencies([positive]):
-                losses, applied, stop, _ = _outer_loop(inner, n, tf.constant(0, tf.int64), opts, chunk,
-                                                       dtype=dtype)
+                step0 = counter.read_value() if counter is not None else tf.constant(0, tf.int64)
+                losses, applied, stop, _ = _outer_loop(inner, n, step0, opts, chunk,
+                                                       notify if opts.notify else None, dtype=dtype)
+                if counter is not None:
+                    with tf.control_dependencies([counter.assign_add(tf.cast(applied, tf.int64))]):
+                        applied = tf.identity(applied)
             tail = pack(tf.stack([tf.size(losses), applied, stop]))
             packed = tf.concat([losses, tail], 0, name="packed")
         else:
@@ -425,8 +471,9 @@ def fuse(
         train_op = tf.group(applied, stop, losses, name="train_op")
     return Fused(train_op=train_op, losses=losses, steps_taken=applied, stop=stop, steps=n, packed=packed,
                  loss=loss0, var_list=var_list, state=state, opts=opts, optimizer=optimizer,
-                 jit_compile=bool(jit_compile), chunk=chunk, step=0,
-                 max_steps=None if isinstance(steps_given, (tf.Tensor, tf.Variable)) else chunk)
+                 jit_compile=bool(jit_compile), chunk=chunk, step=0, counter=counter, notes=notes,
+                 counter_value=counter_value, counter_set=counter_set,
+                 max_steps=None if isinstance(steps_given, (tf.Tensor, tf.Variable)) or opts.notify else chunk)
 
 
 def _build_stepwise(loss_fn, optimizer, var_list, state, opts: Options, loss0, steps_tensor=None,
