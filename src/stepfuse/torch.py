@@ -38,6 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 from torch import nn
+from torch.utils import _pytree
 
 from ._loop import Notifier, deferred_interrupts, finish, run_stepwise
 from ._options import OPTIONS_DOC, Options, check_call_steps, check_int, check_options
@@ -219,25 +220,11 @@ def _host(loss: torch.Tensor) -> np.generic:
     return np.float64(loss.item()) if loss.dtype == torch.float64 else np.float32(loss.item())
 
 
-def _tree_leaves(tree) -> list:
-    from torch.utils._pytree import tree_leaves
-
-    return tree_leaves(tree)
-
-
-def _tree_map(fn, tree):
-    from torch.utils._pytree import tree_map
-
-    return tree_map(fn, tree)
-
-
 def _batch_key(batch) -> tuple:
     """What a compiled program is specialised to: the batch's nesting and, per leaf, a
     tensor's shape, dtype and device or another value itself (never a tensor's repr,
     which elides the values of a large one)."""
-    from torch.utils._pytree import tree_flatten
-
-    leaves, spec = tree_flatten(tuple(batch))
+    leaves, spec = _pytree.tree_flatten(tuple(batch))
     return (str(spec),) + tuple((tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor)
                                 else (type(t).__name__, repr(t)) for t in leaves)
 
@@ -594,7 +581,7 @@ class FusedFit:
         i64 = lambda: torch.zeros((), dtype=torch.int64, device=dev)  # noqa: E731
         s = types.SimpleNamespace()
         s.n, s.i0, s.base = i64(), i64(), i64()
-        s.batch = _tree_map(lambda b: b.detach().clone() if isinstance(b, torch.Tensor) else b, tuple(batch))
+        s.batch = _pytree.tree_map(lambda b: b.detach().clone() if isinstance(b, torch.Tensor) else b, tuple(batch))
         s.carry = [i64(), torch.zeros((), dtype=torch.int32, device=dev), i64(),
                    prev.detach().clone(), prev.detach().clone(),
                    torch.full((nslots,), math.nan, dtype=prev.dtype, device=dev),
@@ -625,7 +612,7 @@ class FusedFit:
 
     def _run_cuda_graph(self, n, i0, prev, params, states, batch):
         s, re = self._program, self.opts.record_every
-        for dst, src in zip(_tree_leaves(s.batch), _tree_leaves(tuple(batch))):  # nested ones too
+        for dst, src in zip(_pytree.tree_leaves(s.batch), _pytree.tree_leaves(tuple(batch))):  # nested ones too
             if isinstance(dst, torch.Tensor):
                 dst.copy_(src)
         P = len(params)
