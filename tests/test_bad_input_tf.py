@@ -255,10 +255,12 @@ def _v1(case):
         y = tf1.placeholder(tf.int32, [None], name="y")
 
         def k():
-            return tf1.get_variable("kernel", initializer=P["kernel"])
+            with tf1.variable_scope(tf1.get_variable_scope(), reuse=tf1.AUTO_REUSE):
+                return tf1.get_variable("kernel", initializer=P["kernel"])
 
         def b():
-            return tf1.get_variable("bias", initializer=P["bias"])
+            with tf1.variable_scope(tf1.get_variable_scope(), reuse=tf1.AUTO_REUSE):
+                return tf1.get_variable("bias", initializer=P["bias"])
 
         def loss():
             return ce(y, tf.matmul(x, k()) + b())
@@ -278,6 +280,8 @@ def _v1(case):
                     "integer": lambda: tf.cast(ce(y, tf.matmul(x, k()) + b()) * 100, tf.int32),
                     "none": lambda: None,
                     "bias_unused": lambda: ce(y, tf.matmul(x, k())) + 0 * tf.reduce_sum(tf.stop_gradient(b()))}[value]
+            if value == "bias_unused":  # asked for by name: without a gradient it is refused
+                kw["var_list"] = [k(), b()]
         elif kind == "var_list":
             kw["var_list"] = {"empty": lambda: [], "string": lambda: "kernel",
                               "int": lambda: [tf1.get_variable("i", initializer=tf.constant([1]), dtype=tf.int32)],

@@ -51,6 +51,7 @@ def test_demo_with_the_stale_gradient_fails_its_check(tmp_path):
         (["demo", "--json", ""], "an empty file name"),
         (["bench", "--backends", "caffe"], "unknown backend"),
         (["bench", "--sizes", "wide", "--steps", "100"], "nothing to time"),
+        (["demo", "--plot", "same.png", "--json", "same.png"], "the same file"),
         (["frobnicate"], "invalid choice"),
     ],
 )

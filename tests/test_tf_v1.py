@@ -458,3 +458,47 @@ def test_a_callback_that_raises_stops_the_run_with_its_error(kind):
     ref_f.run(ref_s, feed(rx, ry))
     for a, b in zip(s.run(f.var_list), ref_s.run(ref_f.var_list)):
         np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_callback_numbering_survives_a_callback_error_in_a_bare_sess_run():
+    """The graph's step count grows with each chunk, before its notification: a callback
+    that raises inside a bare sess.run leaves it right (it was not advanced)."""
+    got = []
+
+    def boom_at_3(step, loss):
+        got.append(step)
+        if step == 3 and len(got) == 3:
+            raise KeyError("boom")
+
+    g, s, f, x, y = seed_graph(5, callback=boom_at_3, every=1)
+    with pytest.raises(tf.errors.OpError):
+        s.run(f.train_op, feed(x, y))
+    assert s.run(f.counter) == 3
+    f.run(s, feed(x, y), steps=2)
+    assert got == [1, 2, 3, 4, 5]
+
+
+def test_var_list_none_skips_variables_read_without_a_gradient_as_minimize_does():
+    def build(kind):
+        g = tf.Graph()
+        with g.as_default():
+            w = tf1.get_variable("w", initializer=tf.constant([3.0, -1.0]))
+            b = tf1.get_variable("b", initializer=tf.constant(2.0))
+            loss_fn = lambda: tf.reduce_sum((w - tf.stop_gradient(b)) ** 2)  # noqa: E731
+            opt = tf1.train.GradientDescentOptimizer(0.1)
+            if kind == "plain":
+                loss = loss_fn()
+                handle = (opt.minimize(loss), loss)
+            else:
+                handle = v1.fuse(loss_fn, opt, steps=3, mode=kind)
+            init = tf1.global_variables_initializer()
+        s = tf1.Session(graph=g)
+        s.run(init)
+        return s, handle
+
+    r, (op, loss) = build("plain")
+    ref = [r.run([loss, op])[0] for _ in range(3)]
+    for kind in ("fused", "stepwise"):
+        s, f = build(kind)
+        assert [v.name for v in f.var_list] == ["w:0"]
+        np.testing.assert_allclose(f.run(s).loss, ref, rtol=1e-6)

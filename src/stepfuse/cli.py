@@ -69,6 +69,11 @@ def _writable(path: Optional[str], flag: str) -> None:
         os.unlink(path)
 
 
+def _distinct(plot: Optional[str], json_path: Optional[str]) -> None:
+    if plot and json_path and os.path.abspath(plot) == os.path.abspath(json_path):
+        raise UsageError(f"--plot and --json are the same file ({plot}); give each its own")
+
+
 def _plottable(path: Optional[str]) -> None:
     """``--plot``: matplotlib installed and a PNG file name, checked before the run."""
     if path is None:
@@ -169,6 +174,7 @@ def _demo(args) -> int:
     from .demo import run_seed
 
     backend = _backend(args.backend)
+    _distinct(args.plot, args.json)
     _plottable(args.plot)
     _writable(args.json, "--json")
     r = run_seed(backend, args.steps, args.calls, args.lr, stale_gradient=args.stale_gradient,
@@ -189,6 +195,7 @@ def _bench(args) -> int:
                 else available_backends())
     if not backends:
         raise UsageError("no backend installed: pip install 'stepfuse[jax]' (or [tf], [torch])")
+    _distinct(args.plot, args.json)
     _writable(args.json, "--json")
     _plottable(args.plot)
     sizes = args.sizes or (["seed", "mlp"] if args.quick else ["seed", "mlp", "wide"])

@@ -231,7 +231,7 @@ def _inner_loop(step, m, i0, prev, opts: Options, cap: int, xla: bool = False, d
 
 
 def _outer_loop(inner, n, step0, opts: Options, chunk: int, notify=None, publish=None, speed=None,
-                dtype=tf.float32):
+                dtype=tf.float32, count=None):
     """A whole call: ``inner`` chunks of at most ``chunk`` steps until ``n`` or a stop.
 
     Runs outside XLA, so the trace can grow with ``n`` (a TensorArray of the chunks'
@@ -241,7 +241,9 @@ def _outer_loop(inner, n, step0, opts: Options, chunk: int, notify=None, publish
     there instead, for a host thread to read: the loop never waits for Python, and a
     chunk runs to the first multiple of `every` at least ``_PUBLISH_SECONDS`` away at the
     last chunk's speed; the first chunk at ``speed`` (steps per second, a float64 scalar:
-    the previous call's), or when that is 0 to the first multiple.
+    the previous call's), or when that is 0 to the first multiple. ``count`` (an int64
+    variable) gets each chunk's applied updates before its notification, so a callback
+    that raises leaves it right.
     Returns ``(losses, applied, stop, last loss)``.
     """
 
@@ -257,9 +259,12 @@ def _outer_loop(inner, n, step0, opts: Options, chunk: int, notify=None, publish
                 ahead = tf.maximum(ahead, tf.cast(clock[1] * _PUBLISH_SECONDS, tf.int64))
             end = (gstep + ahead + opts.every - 1) // opts.every * opts.every
             m = tf.minimum(m, tf.cast(end - gstep, _INT))
-        buf, count, j, a, stop, prev = inner(m, i, prev)
-        ta = ta.write(k, buf[:count])
+        buf, kept, j, a, stop, prev = inner(m, i, prev)
+        ta = ta.write(k, buf[:kept])
         applied = applied + a
+        if count is not None:
+            with tf.control_dependencies([count.assign_add(tf.cast(a, tf.int64))]):
+                a = tf.identity(a)
         gstep = step0 + tf.cast(applied, tf.int64)
         if publish is not None:
             publish.assign(tf.stack([tf.cast(gstep, tf.float64), prev]))
@@ -267,7 +272,7 @@ def _outer_loop(inner, n, step0, opts: Options, chunk: int, notify=None, publish
                 t1 = tf.timestamp()
             clock = tf.stack([t1, tf.cast(j, tf.float64) / tf.maximum(t1 - clock[0], 1e-9)])
         if notify is not None:
-            due = tf.logical_and(a > 0, tf.equal(gstep % opts.every, 0))
+            due = tf.logical_and(a > 0, tf.equal(gstep % opts.every, 0))  # (after `count`)
             ticks = tf.cond(
                 due,
                 lambda: ticks + tf.reshape(tf.numpy_function(notify, [gstep, prev], _INT), []),

@@ -129,6 +129,11 @@ def _prepare(loss_fn, optimizer, var_list):
         everything = tf1.trainable_variables()
         var_list = [v for v in everything if v.dtype.name.endswith("_ref")  # refused below, by name
                     or (getattr(v, "handle", None) is not None and v.handle.name in read)]
+        resource = [v for v in var_list if not v.dtype.name.endswith("_ref")]
+        if resource:  # and, as minimize, not those the loss reads without a gradient (stop_gradient ...)
+            grads = tf.gradients(loss0, resource, unconnected_gradients="none")
+            dropped = {id(v) for v, g in zip(resource, grads) if g is None}
+            var_list = [v for v in var_list if id(v) not in dropped]
         found = (f"var_list=None took the trainable variables the loss reads: "
                  f"{[v.name for v in var_list]} of {[v.name for v in everything]}. ")
     else:
@@ -446,10 +451,8 @@ def fuse(
             with tf.control_dependencies([positive]):
                 step0 = counter.read_value() if counter is not None else tf.constant(0, tf.int64)
                 losses, applied, stop, _ = _outer_loop(inner, n, step0, opts, chunk,
-                                                       notify if opts.notify else None, dtype=dtype)
-                if counter is not None:
-                    with tf.control_dependencies([counter.assign_add(tf.cast(applied, tf.int64))]):
-                        applied = tf.identity(applied)
+                                                       notify if opts.notify else None, dtype=dtype,
+                                                       count=counter)
             tail = pack(tf.stack([tf.size(losses), applied, stop]))
             packed = tf.concat([losses, tail], 0, name="packed")
         else:
