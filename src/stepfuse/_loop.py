@@ -5,8 +5,8 @@ A backend's stepwise mode supplies two functions and this module runs them:
 * ``propose()`` evaluates the loss and gradient at the current parameters and
   computes the update *without* applying it; it returns ``(loss, finite, token)``
   where ``loss`` is a NumPy scalar (a float64 loss is recorded as float64, any other
-  float as float32, as the fused loops record it) and ``finite`` says whether the loss, the gradients and the proposed parameters
-  and optimizer state are all finite;
+  float as float32, as the fused loops record it) and ``finite`` says whether the loss,
+  the gradients and the proposed parameters and optimizer state are all finite;
 * ``commit(token)`` applies the proposed update.
 
 The fused loops of the backends implement exactly this order of events, and the
@@ -63,10 +63,11 @@ def run_stepwise(
                       opts.record_every)
 
 
-def finish(trace: Trace, opts: Options, start_step: int) -> Trace:
-    """Apply ``on_nonfinite="raise"`` once a call has returned with a consistent state."""
+def finish(trace: Trace, opts: Options, start_step: int, state: Any = None) -> Trace:
+    """Apply ``on_nonfinite="raise"`` once a call has returned with a consistent state
+    (``state``: what a pure backend's call reached, handed to the error)."""
     if opts.on_nonfinite == "raise" and trace.stop == Stop.NONFINITE:
-        raise NonFiniteError(start_step + int(trace.steps), trace)
+        raise NonFiniteError(start_step + int(trace.steps), trace, state)
     return trace
 
 

@@ -69,9 +69,12 @@ def _writable(path: Optional[str], flag: str) -> None:
         os.unlink(path)
 
 
-def _distinct(plot: Optional[str], json_path: Optional[str]) -> None:
+def _outputs(plot: Optional[str], json_path: Optional[str]) -> None:
+    """``--plot`` and ``--json``, checked before the run: two writable files, the plot a PNG."""
     if plot and json_path and os.path.abspath(plot) == os.path.abspath(json_path):
         raise UsageError(f"--plot and --json are the same file ({plot}); give each its own")
+    _plottable(plot)
+    _writable(json_path, "--json")
 
 
 def _plottable(path: Optional[str]) -> None:
@@ -174,9 +177,7 @@ def _demo(args) -> int:
     from .demo import run_seed
 
     backend = _backend(args.backend)
-    _distinct(args.plot, args.json)
-    _plottable(args.plot)
-    _writable(args.json, "--json")
+    _outputs(args.plot, args.json)
     r = run_seed(backend, args.steps, args.calls, args.lr, stale_gradient=args.stale_gradient,
                  timing_steps=args.timing_steps)
     _print_demo(r)
@@ -195,9 +196,7 @@ def _bench(args) -> int:
                 else available_backends())
     if not backends:
         raise UsageError("no backend installed: pip install 'stepfuse[jax]' (or [tf], [torch])")
-    _distinct(args.plot, args.json)
-    _writable(args.json, "--json")
-    _plottable(args.plot)
+    _outputs(args.plot, args.json)
     sizes = args.sizes or (["seed", "mlp"] if args.quick else ["seed", "mlp", "wide"])
     steps = args.steps or ([10, 100] if args.quick else [1, 10, 100, 1000, 10_000])
     from .bench.problems import MAX_STEPS

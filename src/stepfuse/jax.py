@@ -27,7 +27,7 @@ import optax
 from . import _jax_host
 from ._loop import Notifier, finish, run_stepwise
 from ._options import OPTIONS_DOC, check_call_steps, check_options
-from ._trace import NonFiniteError, Stop, Trace, host_trace
+from ._trace import Stop, Trace, host_trace
 
 __all__ = ["fuse", "Fit", "FitState"]
 
@@ -232,16 +232,6 @@ def _inside_a_trace() -> bool:
     return not _trace_state_clean()
 
 
-def _finish(trace: Trace, opts, start: int, state) -> Trace:
-    """`finish`, whose `NonFiniteError` carries the call's new state (``error.state``): a
-    pure fit's caller holds only the state from before the call."""
-    try:
-        return finish(trace, opts, start)
-    except NonFiniteError as e:
-        e.state = state
-        raise
-
-
 def _tol_below(tol: float, dtype) -> np.ndarray:
     """``tol`` as the largest value of ``dtype`` not above it. The loop compares
     ``abs(loss[i] - loss[i-1]) <= tol`` in the loss dtype, where a Python float would be
@@ -410,7 +400,7 @@ class Fit:
         else:
             trace = host_trace(np.asarray(buf), applied, stop, k)
             if self.opts.on_nonfinite == "raise":
-                trace = _finish(trace, self.opts, int(state.step) - trace.steps, state)
+                trace = finish(trace, self.opts, int(state.step) - trace.steps, state)  # error.state: the new one
         return (state, trace, aux) if self.has_aux else (state, trace)
 
     def _compiled_text(self, state: FitState, *batch, steps: Optional[int] = None) -> str:
@@ -642,7 +632,7 @@ class Fit:
             trace = run_stepwise(propose, commit, n, self.opts, start, note if self.opts.notify else None)
             note.done(trace.steps)
         new = FitState(held["params"], held["opt"], jnp.int32(start + trace.steps))
-        trace = _finish(trace, self.opts, start, new)
+        trace = finish(trace, self.opts, start, new)
         return (new, trace, held["aux"]) if self.has_aux else (new, trace)
 
 

@@ -920,8 +920,7 @@ class FusedFit:
                 # torch creates the state lazily in step(); let it (exact init semantics).
                 first = run_stepwise(lambda: self._propose(batch), self._commit, 1,
                                      dataclasses.replace(opts, steps=1, tol=None, record_every=1), start, notify)
-                losses.append(np.asarray(first.loss, np.float64 if self._loss_dtype == torch.float64
-                                         else np.float32))
+                losses.append(first.loss)  # float64 or float32, as the stepwise driver records it
                 i, stop = 1, first.stop
                 if first.steps:
                     prev = torch.tensor(float(first.loss[0]), dtype=self._loss_dtype, device=dev)

@@ -67,13 +67,23 @@ def _check_var_list(var_list, given, found: str = "") -> list:
         if not v.dtype.base_dtype.is_floating:
             _fail(TypeError, "var_list", given, "floating-point variables",
                   f"{v.name} has dtype {v.dtype.base_dtype.name}. " + fix)
-        if v.dtype.name.endswith("_ref"):  # tf1.disable_v2_behavior() or use_resource=False
+        if _is_ref(v):
             _fail(TypeError, "var_list", given, "resource variables",
                   f"{v.name} is a reference variable (dtype {v.dtype.name}), which the fused loop "
                   "cannot update. Call tf.compat.v1.enable_resource_variables() after "
                   "disable_v2_behavior() and before building the graph, or create the variables "
                   "with use_resource=True.")
     return var_list
+
+
+def _is_ref(v) -> bool:
+    """A reference variable (``use_resource=False``, or after ``disable_v2_behavior``)."""
+    return v.dtype.name.endswith("_ref")
+
+
+def _handles_read(tensor) -> set:
+    """The names of the variable handles read in the computation of ``tensor``."""
+    return {t.name for op in _variable_reads(tensor) for t in op.inputs if t.dtype == tf.resource}
 
 
 def _variable_reads(tensor) -> list:
@@ -99,8 +109,7 @@ def _warn_stale_hyper_parameters(optimizer, state) -> None:
     for name, value in sorted(vars(optimizer).items()):
         if not isinstance(value, tf.Tensor) or value.dtype == tf.resource:
             continue
-        read = {t.name for op in _variable_reads(value) for t in op.inputs if t.dtype == tf.resource}
-        if read & handles:
+        if _handles_read(value) & handles:
             warnings.warn(
                 f"stepfuse.tf.v1: the optimizer's {name.lstrip('_')} is a tensor computed from a "
                 "variable the loop changes (the global step?): it is read once per run, so every "
@@ -125,11 +134,11 @@ def _prepare(loss_fn, optimizer, var_list):
     if var_list is None:
         # As optimizer.minimize(loss): the trainable variables the loss reads (another
         # model's in the same graph are not this loss's).
-        read = {t.name for op in _variable_reads(loss0) for t in op.inputs if t.dtype == tf.resource}
+        read = _handles_read(loss0)
         everything = tf1.trainable_variables()
-        var_list = [v for v in everything if v.dtype.name.endswith("_ref")  # refused below, by name
+        var_list = [v for v in everything if _is_ref(v)  # refused below, by name
                     or (getattr(v, "handle", None) is not None and v.handle.name in read)]
-        resource = [v for v in var_list if not v.dtype.name.endswith("_ref")]
+        resource = [v for v in var_list if not _is_ref(v)]
         if resource:  # and, as minimize, not those the loss reads without a gradient (stop_gradient ...)
             grads = tf.gradients(loss0, resource, unconnected_gradients="none")
             dropped = {id(v) for v, g in zip(resource, grads) if g is None}
@@ -217,8 +226,7 @@ class Fused:
                 if error is None:
                     raise
                 # The callback raised: the updates up to its step stay applied (as in a
-                # plain loop), and the step counters say so.
-                sess.run(self.counter_set, {self.counter_value: self.notes["step"]})
+                # plain loop); the graph's count already says so (see `_outer_loop`).
                 self.step = self.notes["step"]
                 raise error from None
         tail = packed[-3:].astype(np.int32) if packed.dtype == np.float64 else packed[-3:].view(np.int32)
@@ -423,16 +431,11 @@ def fuse(
             xla=jit_compile, dtype=dtype)
         return tf.concat([buf, pack(tf.stack([count, applied, stop]))], 0)
 
-    # `loss` fetched with the loop in one run is the loss before the run's updates, as with
-    # `sess.run([loss, optimizer.minimize(loss)])`: the loop waits for its variable reads
-    # (only the reads: a run of the loop alone does not pay for the forward pass).
     notes = {"error": None, "step": None}  # from the host side of a callback (see `Fused.run`)
-    counter = counter_value = counter_set = None
+    counter = None
     if opts.notify:  # the updates applied over runs, in the graph: a callback's step numbers
         with tf1.init_scope():
             counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="stepfuse_step")
-            counter_value = tf1.placeholder(tf.int64, [], name="stepfuse_step_value")
-            counter_set = counter.assign(counter_value)
 
     def notify(step, loss):
         notes["step"] = int(step)
@@ -443,6 +446,9 @@ def fuse(
             raise
         return np.int32(1)
 
+    # `loss` fetched with the loop in one run is the loss before the run's updates, as with
+    # `sess.run([loss, optimizer.minimize(loss)])`: the loop waits for its variable reads
+    # (only the reads: a run of the loop alone does not pay for the forward pass).
     with tf1.name_scope("stepfuse_loop"), tf.control_dependencies(_variable_reads(loss0)):
         if isinstance(steps_given, (tf.Tensor, tf.Variable)) or opts.notify:
             inner = tf.function(inner_py, jit_compile=bool(jit_compile), autograph=False)
@@ -475,7 +481,6 @@ def fuse(
     return Fused(train_op=train_op, losses=losses, steps_taken=applied, stop=stop, steps=n, packed=packed,
                  loss=loss0, var_list=var_list, state=state, opts=opts, optimizer=optimizer,
                  jit_compile=bool(jit_compile), chunk=chunk, step=0, counter=counter, notes=notes,
-                 counter_value=counter_value, counter_set=counter_set,
                  max_steps=None if isinstance(steps_given, (tf.Tensor, tf.Variable)) or opts.notify else chunk)
 
 
