@@ -13,6 +13,7 @@ import stepfuse.jax as sf
 from stepfuse import NonFiniteError, Stop
 from stepfuse.bench.jax import mlp_loss  # a tanh MLP with softmax cross-entropy
 from stepfuse.problems import blobs, mlp_init, perceptron_init
+from tol_checks import assert_tol_stops_where_the_recorded_losses_say
 
 X, Y = blobs()
 RTOL, ATOL = 1e-6, 1e-7
@@ -221,6 +222,19 @@ def test_tol_stops_early_inside_the_loop():
     diffs = np.abs(np.diff(trace.loss))
     assert diffs[-1] <= 1e-9 and np.all(diffs[:-1] > 1e-9)
     np.testing.assert_allclose(state.params, rstate.params, rtol=RTOL)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_tol_at_the_last_bit_stops_where_the_recorded_losses_say(dtype):
+    with jax.enable_x64(dtype == "float64"):
+        params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), perceptron_init())
+        batch = (jnp.asarray(X, dtype), jnp.asarray(Y))
+
+        def run(tol):
+            fit = sf.fuse(perceptron_loss, optax.adam(0.05), steps=60, tol=tol)
+            return fit(fit.init(params), *batch)[1]
+
+        assert_tol_stops_where_the_recorded_losses_say(run, run(None).loss)
 
 
 def diverging_loss(w, x, t):

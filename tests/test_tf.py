@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import stepfuse.tf as sf
 from stepfuse import NonFiniteError, Stop
+from tol_checks import assert_tol_stops_where_the_recorded_losses_say
 from tf_helpers import LN2, OPTIMIZERS, Perceptron, make_problem, reference_steps, seed_data, values
 
 # float32 on CPU: XLA fuses/reassociates reductions, so single losses differ by ~1 ulp from
@@ -49,6 +50,19 @@ def test_fused_equals_gradient_tape_loop(opt, problem, jit, data):
     assert fit.traces == 1
     if problem == "perceptron":
         assert abs(losses[0][0] - LN2) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64], ids=["float32", "float64"])
+def test_tol_at_the_last_bit_stops_where_the_recorded_losses_say(dtype, data):
+    x, y = tf.cast(data[0], dtype), data[1]
+
+    def run(tol):
+        one = Perceptron(dtype=dtype)
+        fit = sf.fuse(lambda x, y: tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, one(x))),
+                      keras.optimizers.Adam(0.05), one, steps=60, tol=tol)
+        return fit(x, y)
+
+    assert_tol_stops_where_the_recorded_losses_say(run, run(None).loss)
 
 
 @pytest.mark.parametrize("jit", [True, False], ids=["xla", "noxla"])

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import stepfuse.tf.v1 as v1
 from stepfuse import Stop
+from tol_checks import assert_tol_stops_where_the_recorded_losses_say
 from tf_helpers import LN2, seed_data, seed_graph, sparse_ce
 
 tf1 = tf.compat.v1
@@ -210,6 +211,32 @@ def test_tol_stops_early_like_the_stepwise_oracle():
     trace, ref = f.run(s, feed(x, y)), fr.run(sr, feed(xr, yr))
     assert trace.stop == ref.stop == Stop.TOL and 1 < trace.steps == ref.steps < 2000
     np.testing.assert_allclose(trace.loss, ref.loss, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("steps_kind", ["int", "tensor"])
+def test_tol_at_the_last_bit_stops_where_the_recorded_losses_say(steps_kind):
+    """float64, whose comparison XLA could round apart from the recorded loss; a tensor
+    `steps` runs chunks of 7 steps, so the tols also fall across chunk boundaries."""
+    def run(tol):
+        g = tf.Graph()
+        with g.as_default():
+            x = tf1.placeholder(tf.float64, [None, 2])
+            y = tf1.placeholder(tf.int32, [None])
+            steps = 60 if steps_kind == "int" else tf1.placeholder_with_default(60, [])
+
+            def loss_fn():
+                k = tf1.get_variable("kernel", initializer=tf.ones((2, 2), tf.float64), dtype=tf.float64)
+                b = tf1.get_variable("bias", initializer=tf.zeros((2,), tf.float64), dtype=tf.float64)
+                return sparse_ce(y, tf.matmul(x, k) + b)
+
+            f = v1.fuse(loss_fn, tf1.train.AdamOptimizer(0.05), steps=steps, tol=tol,
+                        chunk=None if steps_kind == "int" else 7)
+            init = tf1.global_variables_initializer()
+        with tf1.Session(graph=g) as s:
+            s.run(init)
+            return f.run(s, {x: XS.astype(np.float64), y: YS})
+
+    assert_tol_stops_where_the_recorded_losses_say(run, run(None).loss)
 
 
 @pytest.mark.parametrize("steps_kind", ["int", "tensor"])

@@ -31,10 +31,10 @@ def sparse_ce(y, logits):
 class Perceptron(tf.Module):
     """The seed's 2->2 dense layer as two tf.Variables (kernel ones, bias zeros)."""
 
-    def __init__(self):
+    def __init__(self, dtype=tf.float32):
         p = perceptron_init()
-        self.kernel = tf.Variable(p["kernel"], name="kernel")
-        self.bias = tf.Variable(p["bias"], name="bias")
+        self.kernel = tf.Variable(tf.cast(p["kernel"], dtype), name="kernel")
+        self.bias = tf.Variable(tf.cast(p["bias"], dtype), name="bias")
 
     def __call__(self, x):
         return tf.matmul(x, self.kernel) + self.bias

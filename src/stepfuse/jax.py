@@ -507,26 +507,25 @@ class Fit:
         keep_loss = opts.tol is not None or (opts.notify and scan_steps is not None)
         tol = None if opts.tol is None else _tol_below(opts.tol, loss.dtype)
         aux0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), loss.aux_shape)
+        nan = jnp.array(jnp.nan, loss.dtype)
+        # (step, params, opt_state, trace, last loss, stop code, aux, the loss before the last)
         carry = (jnp.int32(0), params, opt_state, jnp.full((size + 1,), jnp.nan, loss.dtype),
-                 jnp.array(jnp.nan, loss.dtype), jnp.int32(_RUNNING), aux0)
+                 nan, jnp.int32(_RUNNING), aux0, nan)
         carry = _varying_like(carry, (params, opt_state, batch))
 
         def make_body(first, unrecorded):
             """One step; its loss goes to ``buf[i // k - first]`` or, off the record, to ``buf[unrecorded]``."""
 
             def body(c):
-                i, params, opt_state, buf, prev, _, _ = c
+                i, params, opt_state, buf, prev, _, _, before = c
                 value, aux, new_params, new_opt, finite = self._propose(params, opt_state, batch, loss)
                 slot = jnp.where(i % k == 0, i // k - first, unrecorded)
                 buf = jax.lax.dynamic_update_index_in_dim(buf, value, slot, 0)
                 params, opt_state = _select(finite, (new_params, new_opt), (params, opt_state))
                 stop = jnp.where(finite, _RUNNING, Stop.NONFINITE)
-                if opts.tol is not None:
-                    diff = jnp.abs(value - prev).astype(tol.dtype)
-                    converged = finite & (i > 0) & (diff <= tol)
-                    stop = jnp.where(converged, Stop.TOL, stop)
                 last = value if keep_loss else prev
-                return i + 1, params, opt_state, buf, last, jnp.int32(stop), aux
+                before = prev if opts.tol is not None else before
+                return i + 1, params, opt_state, buf, last, jnp.int32(stop), aux, before
 
             return body
 
@@ -535,8 +534,23 @@ class Fit:
             (the loop stops there), so the loop needn't carry a counter."""
             return c[0] - (c[5] == Stop.NONFINITE).astype(jnp.int32)
 
+        def converged(c):
+            """Whether the last two losses met `tol` (the last update was applied: TOL).
+
+            Read from the carried losses, at the loop's test rather than in the step: there
+            XLA fuses the loss's last operation into the comparison with the one before, and
+            may round that copy differently (an FMA) from the one it records, so a `tol`
+            within an ulp of a recorded difference could stop a step early or late.
+            """
+            if opts.tol is None:
+                return jnp.bool_(False)
+            return jnp.abs(c[4] - c[7]).astype(tol.dtype) <= tol
+
+        def live(c):
+            return (c[5] == _RUNNING) & ~converged(c)
+
         def running(c):
-            return (c[0] < n) & (c[5] == _RUNNING)
+            return (c[0] < n) & live(c)
 
         def last_loss(c):
             """The loss of the last evaluated step: carried, or read back from the trace
@@ -574,7 +588,7 @@ class Fit:
             first = (i0 // (C * k)) * C
             limit = jnp.minimum(end, (first + C) * k)
             small = jnp.concatenate([jax.lax.dynamic_slice(big, (first,), (C,)), big[-1:]])
-            inner = jax.lax.while_loop(lambda c: (c[0] < limit) & (c[5] == _RUNNING),
+            inner = jax.lax.while_loop(lambda c: (c[0] < limit) & live(c),
                                        make_body(first, C), c[:3] + (small,) + c[4:])
             big = jax.lax.dynamic_update_slice(big, inner[3][:C], (first,))
             if opts.notify and not keep_loss:  # the last unrecorded loss, for `last_loss`
@@ -588,7 +602,7 @@ class Fit:
             made XLA copy the whole trace buffer at every chunk.
             """
             end = jnp.minimum(n, c[0] + period - (step0 + applied(c)) % period)
-            new = jax.lax.while_loop(lambda c: (c[0] < end) & (c[5] == _RUNNING),
+            new = jax.lax.while_loop(lambda c: (c[0] < end) & live(c),
                                      lambda c: chunk(c, end), c)
             return notify(c, new)
 
@@ -602,9 +616,9 @@ class Fit:
                 return (notify(c, new) if opts.notify else new), None
 
             out = jax.lax.scan(scan_body, carry, None, length=scan_steps)[0]
-        _, params, opt_state, buf, _, stop, aux = out
+        _, params, opt_state, buf, _, stop, aux, _ = out
         applied = applied(out)
-        stop = jnp.where(stop == _RUNNING, Stop.STEPS, stop)
+        stop = jnp.where(stop == _RUNNING, jnp.where(converged(out), Stop.TOL, Stop.STEPS), stop)
         ints = _INT_OF.get(np.dtype(buf.dtype))
         if pack and ints is not None:
             # For the host: the losses' bits, then applied and stop, as one integer array.

@@ -169,7 +169,7 @@ def _inner_loop(step, m, i0, prev, opts: Options, cap: int, xla: bool = False, d
     r = opts.record_every
     first_slot = (i0 + r - 1) // r
 
-    def guarded(j, applied, prev):
+    def guarded(j, applied):
         """One step at call index ``i0 + j``: (loss as `dtype`, as float64, applied, stop,
         recorded, slot)."""
         loss, ok = step()
@@ -178,56 +178,76 @@ def _inner_loop(step, m, i0, prev, opts: Options, cap: int, xla: bool = False, d
         i = i0 + j
         applied = applied + tf.cast(ok, _INT)
         stop = tf.where(ok, tf.constant(int(Stop.STEPS), _INT), tf.constant(int(Stop.NONFINITE), _INT))
-        if opts.tol is not None:
-            conv = tf.logical_and(i > 0, tf.abs(loss64 - prev) <= opts.tol)
-            stop = tf.where(tf.logical_and(ok, conv), tf.constant(int(Stop.TOL), _INT), stop)
         return kept, loss64, applied, stop, tf.equal(i % r, 0), i // r - first_slot
 
     zero = tf.constant(0, _INT)
 
-    def running(j, stop):
-        return tf.logical_and(j < m, tf.equal(stop, 0))
+    # The last loss, and with `tol` the one before it: `tol` is checked on these carried
+    # values at the loop's test. Inside a step XLA fuses the loss's last operation into the
+    # comparison and may round that copy differently (an FMA) from the one it records, so a
+    # float64 `tol` within an ulp of a recorded difference stopped a step early or late.
+    def shift(last, loss64):
+        return (loss64, last[0]) if opts.tol is not None else (loss64,)
 
+    def converged(last):
+        """Whether the last two losses met `tol` (the last update was applied: TOL)."""
+        if opts.tol is None:
+            return tf.constant(False)
+        return tf.abs(last[0] - last[1]) <= opts.tol  # NaN before the call's second step: False
+
+    def running(j, stop, last):
+        going = tf.logical_and(j < m, tf.equal(stop, 0))
+        if opts.tol is None:
+            return going
+        # not `logical_not(converged)`: TF1's graph optimizer turns that into `diff > tol`,
+        # which is False for a NaN difference (the first step's) and ended the loop there.
+        diff = tf.abs(last[0] - last[1])
+        return tf.logical_and(going, tf.logical_or(diff > opts.tol, tf.math.is_nan(diff)))
+
+    last = (prev, tf.constant(math.nan, tf.float64)) if opts.tol is not None else (prev,)
     if not xla:
-        def body(j, applied, stop, prev, buf):
-            kept, loss64, applied, stop, recorded, slot = guarded(j, applied, prev)
+        def body(j, applied, stop, last, buf):
+            kept, loss64, applied, stop, recorded, slot = guarded(j, applied)
             if r == 1:
                 buf = buf.write(j, kept)
             else:
                 buf = tf.cond(recorded, lambda: buf.write(slot, kept), lambda: buf)
-            return j + 1, applied, stop, loss64, buf
+            return j + 1, applied, stop, shift(last, loss64), buf
 
         # Sized by what is written: stacking a TensorArray of `cap` entries costs ~2 ms a
         # call at cap = 16,384 however few steps ran (the seed, a 1-step call).
         buf = tf.TensorArray(dtype, size=0, dynamic_size=True, element_shape=[])
-        init = (zero, zero, zero, prev, buf)
-        j, applied, stop, prev, buf = tf.while_loop(lambda j, a, s, p, b: running(j, s), body, init,
-                                                    maximum_iterations=m)
+        j, applied, stop, last, buf = tf.while_loop(
+            lambda j, a, s, p, b: running(j, s, p), body, (zero, zero, zero, last, buf),
+            maximum_iterations=m)
         buf = buf.stack()
     else:
         C = _XLA_CHUNK
         where = tf.range(C, dtype=_INT)
 
-        def chunk(j, applied, stop, prev, chunks, k):
+        def chunk(j, applied, stop, last, chunks, k):
             """The steps whose losses fill slots [k C, (k + 1) C) of the buffer."""
             end = tf.minimum(m, ((k + 1) * C + first_slot) * r - i0)
 
-            def body(j, applied, stop, prev, small):
-                kept, loss64, applied, stop, recorded, slot = guarded(j, applied, prev)
+            def body(j, applied, stop, last, small):
+                kept, loss64, applied, stop, recorded, slot = guarded(j, applied)
                 small = tf.where(tf.logical_and(recorded, tf.equal(where, slot - k * C)), kept, small)
-                return j + 1, applied, stop, loss64, small
+                return j + 1, applied, stop, shift(last, loss64), small
 
-            j, applied, stop, prev, small = tf.while_loop(
-                lambda j, a, s, p, b: tf.logical_and(running(j, s), j < end), body,
-                (j, applied, stop, prev, tf.fill([C], tf.constant(math.nan, dtype))))
-            return j, applied, stop, prev, chunks.write(k, small), k + 1
+            j, applied, stop, last, small = tf.while_loop(
+                lambda j, a, s, p, b: tf.logical_and(running(j, s, p), j < end), body,
+                (j, applied, stop, last, tf.fill([C], tf.constant(math.nan, dtype))))
+            return j, applied, stop, last, chunks.write(k, small), k + 1
 
         chunks = tf.TensorArray(dtype, size=-(-cap // C), element_shape=[C])
-        j, applied, stop, prev, chunks, _ = tf.while_loop(
-            lambda j, a, s, p, c, k: running(j, s), chunk, (zero, zero, zero, prev, chunks, zero))
+        j, applied, stop, last, chunks, _ = tf.while_loop(
+            lambda j, a, s, p, c, k: running(j, s, p), chunk, (zero, zero, zero, last, chunks, zero))
         buf = tf.reshape(chunks.stack(), [-1])
+    if opts.tol is not None:
+        met = tf.logical_and(tf.equal(stop, 0), converged(last))
+        stop = tf.where(met, tf.constant(int(Stop.TOL), _INT), stop)
     count = (i0 + j + r - 1) // r - first_slot
-    return buf, count, j, applied, stop, prev
+    return buf, count, j, applied, stop, last[0]
 
 
 def _outer_loop(inner, n, step0, opts: Options, chunk: int, notify=None, publish=None, speed=None,
