@@ -213,28 +213,35 @@ def test_tol_stops_early_like_the_stepwise_oracle():
     np.testing.assert_allclose(trace.loss, ref.loss, rtol=1e-6, atol=1e-7)
 
 
+def float64_seed_run(optimizer, steps, steps_kind="int", **kw):
+    """The seed in float64 (a fresh graph): one ``run`` of ``v1.fuse(..., steps, **kw)``,
+    ``steps`` an int or, for ``steps_kind="tensor"``, a tensor of that value."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float64, [None, 2])
+        y = tf1.placeholder(tf.int32, [None])
+        if steps_kind == "tensor":
+            steps = tf1.placeholder_with_default(steps, [])
+
+        def loss_fn():
+            k = tf1.get_variable("kernel", initializer=tf.ones((2, 2), tf.float64), dtype=tf.float64)
+            b = tf1.get_variable("bias", initializer=tf.zeros((2,), tf.float64), dtype=tf.float64)
+            return sparse_ce(y, tf.matmul(x, k) + b)
+
+        f = v1.fuse(loss_fn, optimizer, steps=steps, **kw)
+        init = tf1.global_variables_initializer()
+    with tf1.Session(graph=g) as s:
+        s.run(init)
+        return f.run(s, {x: XS.astype(np.float64), y: YS})
+
+
 @pytest.mark.parametrize("steps_kind", ["int", "tensor"])
 def test_tol_at_the_last_bit_stops_where_the_recorded_losses_say(steps_kind):
     """float64, whose comparison XLA could round apart from the recorded loss; a tensor
     `steps` runs chunks of 7 steps, so the tols also fall across chunk boundaries."""
     def run(tol):
-        g = tf.Graph()
-        with g.as_default():
-            x = tf1.placeholder(tf.float64, [None, 2])
-            y = tf1.placeholder(tf.int32, [None])
-            steps = 60 if steps_kind == "int" else tf1.placeholder_with_default(60, [])
-
-            def loss_fn():
-                k = tf1.get_variable("kernel", initializer=tf.ones((2, 2), tf.float64), dtype=tf.float64)
-                b = tf1.get_variable("bias", initializer=tf.zeros((2,), tf.float64), dtype=tf.float64)
-                return sparse_ce(y, tf.matmul(x, k) + b)
-
-            f = v1.fuse(loss_fn, tf1.train.AdamOptimizer(0.05), steps=steps, tol=tol,
-                        chunk=None if steps_kind == "int" else 7)
-            init = tf1.global_variables_initializer()
-        with tf1.Session(graph=g) as s:
-            s.run(init)
-            return f.run(s, {x: XS.astype(np.float64), y: YS})
+        return float64_seed_run(tf1.train.AdamOptimizer(0.05), 60, steps_kind, tol=tol,
+                                chunk=None if steps_kind == "int" else 7)
 
     assert_tol_stops_where_the_recorded_losses_say(run, run(None).loss)
 
@@ -244,22 +251,7 @@ def test_float64_losses_stay_float64_and_tol_compares_them(steps_kind):
     """As in TF2: losses 5e-8 apart, tol=1e-8, 20 steps; the plain sess.run loop and the
     stepwise reference run all 20 (a float32 trace stopped after 3)."""
     def graph(kind):
-        g = tf.Graph()
-        with g.as_default():
-            x = tf1.placeholder(tf.float64, [None, 2])
-            y = tf1.placeholder(tf.int32, [None])
-            steps = 20 if steps_kind == "int" else tf1.placeholder_with_default(20, [])
-
-            def loss_fn():
-                k = tf1.get_variable("kernel", initializer=tf.ones((2, 2), tf.float64), dtype=tf.float64)
-                b = tf1.get_variable("bias", initializer=tf.zeros((2,), tf.float64), dtype=tf.float64)
-                return sparse_ce(y, tf.matmul(x, k) + b)
-
-            f = v1.fuse(loss_fn, tf1.train.GradientDescentOptimizer(1e-6), steps=steps, tol=1e-8, mode=kind)
-            init = tf1.global_variables_initializer()
-        s = tf1.Session(graph=g)
-        s.run(init)
-        return f.run(s, {x: XS.astype(np.float64), y: YS})
+        return float64_seed_run(tf1.train.GradientDescentOptimizer(1e-6), 20, steps_kind, tol=1e-8, mode=kind)
 
     trace, ref = graph("fused"), graph("stepwise")
     assert trace.stop == ref.stop == Stop.STEPS and trace.steps == ref.steps == 20
