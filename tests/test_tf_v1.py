@@ -101,7 +101,7 @@ def test_steps_placeholder_changes_steps_per_run_without_rebuilding():
     assert f2.run(s2, feed(x2, y2), steps=5).steps == 5 and s2.run(f2.steps) == 3
 
 
-def test_int_steps_run_at_most_one_chunk_and_tensor_steps_chain_chunks():
+def test_int_steps_up_to_the_chunk_run_one_chunk_and_others_chain_chunks():
     # An int `steps` builds one call of the XLA loop per run (no graph loop around it):
     # feeding more than its chunk fails, naming `steps`, before any variable changes.
     g, s, f, x, y = seed_graph(3, chunk=4)
@@ -121,6 +121,13 @@ def test_int_steps_run_at_most_one_chunk_and_tensor_steps_chain_chunks():
     ref = fr.run(sr, feed(xr, yr), steps=11)
     assert applied == 11
     np.testing.assert_allclose(losses, ref.loss, rtol=1e-6, atol=1e-7)
+    # An int `steps` above `chunk` chains chunks too: its default run takes all of them
+    # (it was built, then every default run failed the one-chunk check).
+    g3, s3, f3, x3, y3 = seed_graph(11, chunk=4)
+    trace = f3.run(s3, feed(x3, y3))
+    assert f3.max_steps is None and trace.steps == 11
+    np.testing.assert_allclose(trace.loss, ref.loss, rtol=1e-6, atol=1e-7)
+    assert s3.run(f3.steps_taken, feed(x3, y3)) == 11  # a bare sess.run too
 
 
 @pytest.mark.parametrize("record_every", [1, 3])

@@ -194,8 +194,8 @@ class Fused:
       steps_taken: int32, updates applied in that run. stop: int32 `stepfuse.Stop` code.
       steps: the int32 tensor giving the number of steps (a ``placeholder_with_default``
         when ``steps`` was a Python int: feed it to change the count without rebuilding).
-      max_steps: the most steps one run may take (``chunk``) for an int ``steps``; ``None``
-        for a tensor ``steps`` (chunks are chained).
+      max_steps: the most steps one run may take (``chunk``) for an int ``steps`` up to
+        ``chunk``; ``None`` where chunks are chained (see `fuse`'s ``chunk``).
       packed: one vector with all of a run's results, which ``run`` fetches: a loss
         buffer whose first ``count`` entries are ``losses``, then ``count``,
         ``steps_taken`` and ``stop``: as int32 bits in float32 (on the host: ``count, taken,
@@ -338,9 +338,10 @@ def fuse(
         TF's error wrapping it.
       chunk: the most steps one compiled inner loop runs (XLA needs a static-size loss
         buffer). Default: ``steps`` (at least 256) for an int ``steps``, 1024 for a tensor.
-        With an int ``steps`` a run is one call of that loop, so it takes at most ``chunk``
-        steps (feeding more fails with a message naming ``steps``); with a tensor ``steps``
-        longer runs chain chunks in a graph loop inside the same ``sess.run``.
+        With an int ``steps`` up to ``chunk`` a run is one call of that loop, so it takes
+        at most ``chunk`` steps (feeding more fails with a message naming ``steps``); with
+        a tensor ``steps``, or an int above ``chunk``, longer runs chain chunks in a graph
+        loop inside the same ``sess.run``.
 
     Returns:
       a `Fused` with ``train_op``, ``losses``, ``steps_taken``, ``stop`` (outputs of one
@@ -394,6 +395,9 @@ def fuse(
         chunk = max(opts.steps, _MIN_CHUNK) if isinstance(steps_given, int) else _DEFAULT_CHUNK
     chunk = check_int(chunk, "chunk", "Pass the most steps one compiled inner loop runs, e.g. chunk=1000.")
     cap = -(-chunk // opts.record_every)
+    # A run chains chunks of the compiled loop in a graph loop for a tensor `steps`, for a
+    # callback (it is called between chunks), and for an int `steps` above `chunk`.
+    chained = isinstance(steps_given, (tf.Tensor, tf.Variable)) or opts.notify or opts.steps > chunk
 
     def step():
         loss, snapshot, new, ok = _step_ops(loss_fn, optimizer, var_list, state, global_step)
@@ -450,7 +454,7 @@ def fuse(
     # `sess.run([loss, optimizer.minimize(loss)])`: the loop waits for its variable reads
     # (only the reads: a run of the loop alone does not pay for the forward pass).
     with tf1.name_scope("stepfuse_loop"), tf.control_dependencies(_variable_reads(loss0)):
-        if isinstance(steps_given, (tf.Tensor, tf.Variable)) or opts.notify:
+        if chained:
             inner = tf.function(inner_py, jit_compile=bool(jit_compile), autograph=False)
             positive = tf.debugging.Assert(n >= 1, [
                 "stepfuse.tf.v1: the `steps` tensor must be at least 1 in each run. Got:", n])
@@ -481,7 +485,7 @@ def fuse(
     return Fused(train_op=train_op, losses=losses, steps_taken=applied, stop=stop, steps=n, packed=packed,
                  loss=loss0, var_list=var_list, state=state, opts=opts, optimizer=optimizer,
                  jit_compile=bool(jit_compile), chunk=chunk, step=0, counter=counter, notes=notes,
-                 max_steps=None if isinstance(steps_given, (tf.Tensor, tf.Variable)) or opts.notify else chunk)
+                 max_steps=None if chained else chunk)
 
 
 def _build_stepwise(loss_fn, optimizer, var_list, state, opts: Options, loss0, steps_tensor=None,
