@@ -237,6 +237,26 @@ def test_tol_at_the_last_bit_stops_where_the_recorded_losses_say(dtype):
         assert_tol_stops_where_the_recorded_losses_say(run, run(None).loss)
 
 
+@pytest.mark.parametrize("loss_dtype", ["float32", "bfloat16"])
+def test_tol_compares_the_exact_difference_of_losses_far_apart(loss_dtype):
+    # Losses falling ~2.8x a step: their difference rounded in the loss dtype crossed tol
+    # (float32: at the last bit; a bfloat16 loss: at tol=0.702 against a recorded 0.70117).
+    def loss(w):
+        return jnp.sum(w ** 2).astype(loss_dtype)
+
+    w0 = jnp.array([1.0, 0.3])
+
+    def run(tol, mode="fused"):
+        fit = sf.fuse(loss, optax.sgd(0.2), steps=8, tol=tol, mode=mode)
+        return fit(fit.init(w0))[1]
+
+    losses = run(None).loss
+    assert_tol_stops_where_the_recorded_losses_say(run, losses, at=(0, 2, 4))
+    for tol in (0.702, 0.00422):
+        fused, stepwise = run(tol), run(tol, "stepwise")
+        assert (fused.steps, fused.stop) == (stepwise.steps, stepwise.stop), tol
+
+
 def diverging_loss(w, x, t):
     return jnp.mean((x @ w - t) ** 2)
 

@@ -16,6 +16,7 @@ import struct
 import time
 import warnings
 from collections.abc import Mapping
+from fractions import Fraction
 from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import jax
@@ -232,13 +233,43 @@ def _inside_a_trace() -> bool:
     return not _trace_state_clean()
 
 
-def _tol_below(tol: float, dtype) -> np.ndarray:
-    """``tol`` as the largest value of ``dtype`` not above it. The loop compares
-    ``abs(loss[i] - loss[i-1]) <= tol`` in the loss dtype, where a Python float would be
-    rounded to the nearest value, which may be above ``tol`` and stop a step early."""
+def _floor(x: Fraction, dtype) -> np.ndarray:
+    """The largest value of ``dtype`` not above the exact number ``x``."""
+    t = np.asarray(float(x), dtype)
+    return np.nextafter(t, dtype.type(-np.inf)) if Fraction(float(t)) > x else t
+
+
+def _within_tol(tol: float, dtype) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """``met(a, b)``: whether ``abs(a - b) <= tol`` holds exactly, as the host computes it
+    from the recorded losses (the stepwise mode; float64 is exact for them).
+
+    ``a - b`` rounded in the loss dtype can cross ``tol`` when the losses are more than 2x
+    apart, and a float32 ``tol`` may round above the float64 one, either way stopping a
+    step early or late. So the difference is kept exactly as ``s + e`` (TwoSum: ``s`` the
+    rounded difference, ``e`` its rounding error, both exact in the dtype; additions only,
+    which XLA does not reassociate) and compared with ``tol`` split at the two values of
+    the dtype around it. Losses narrower than float32 are compared in float32 (exactly).
+    """
     dtype = np.dtype(np.float64 if np.dtype(dtype) == np.float64 else np.float32)
-    t = np.asarray(tol, dtype)
-    return np.nextafter(t, dtype.type(-np.inf)) if float(t) > tol else t
+    if tol == float("inf"):
+        return lambda a, b: jnp.abs(a.astype(dtype) - b.astype(dtype)) <= np.inf  # False for NaN
+    lo = _floor(Fraction(tol), dtype)  # lo <= tol < hi, neighbours in the dtype
+    hi = np.nextafter(lo, dtype.type(np.inf))
+    room_lo = _floor(Fraction(tol) - Fraction(float(lo)), dtype)  # >= 0
+    room_hi = (_floor(Fraction(tol) - Fraction(float(hi)), dtype) if np.isfinite(hi)
+               else np.asarray(-np.inf, dtype))  # < 0
+
+    def met(a, b):
+        a, b = a.astype(dtype), b.astype(dtype)
+        s = a - b
+        z = s - a
+        e = (a - (s - z)) + (-b - z)  # a - b == s + e exactly
+        neg = s < 0
+        s, e = jnp.where(neg, -s, s), jnp.where(neg, -e, e)
+        # s < lo: s + e < lo's neighbour above s, at most lo. s > hi: s + e > hi > tol.
+        return (s < lo) | ((s == lo) & (e <= room_lo)) | ((s == hi) & (e <= room_hi))
+
+    return met
 
 
 def _inputs_reaching_output(jaxpr) -> list:
@@ -505,7 +536,7 @@ class Fit:
         # notifications in the masked scan): one kernel less a step on XLA:CPU (2-3% on
         # the seed). The chunked loop's notifications read it back from the trace.
         keep_loss = opts.tol is not None or (opts.notify and scan_steps is not None)
-        tol = None if opts.tol is None else _tol_below(opts.tol, loss.dtype)
+        within_tol = None if opts.tol is None else _within_tol(opts.tol, loss.dtype)
         aux0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), loss.aux_shape)
         nan = jnp.array(jnp.nan, loss.dtype)
         # (step, params, opt_state, trace, last loss, stop code, aux, the loss before the last)
@@ -544,7 +575,7 @@ class Fit:
             """
             if opts.tol is None:
                 return jnp.bool_(False)
-            return jnp.abs(c[4] - c[7]).astype(tol.dtype) <= tol
+            return within_tol(c[4], c[7])
 
         def live(c):
             return (c[5] == _RUNNING) & ~converged(c)
