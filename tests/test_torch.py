@@ -709,3 +709,36 @@ def test_batches_of_many_shapes_each_get_a_program_past_dynamos_recompile_limit(
                                    rtol=1e-6, atol=1e-7)
     assert fit.mode == "fused" and fit.compiles == 3
     assert_close_lists(params_of(model), params_of(ref_model))
+
+
+def test_fused_dropout_draws_the_masks_of_the_plain_loop_over_calls():
+    """A call of 6 steps used to run its last chunk's masked steps' forward passes too,
+    drawing masks the plain loop never draws: the next calls trained on other masks.
+    (Each update moves the weights by the mask, so the weights count the masks drawn.)"""
+    x = torch.ones(1, 16)
+
+    def run(fused):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 1, bias=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.25)
+
+        def loss_fn(x):
+            return (torch.nn.functional.dropout(x, 0.5, training=True) @ model.weight.T).sum()
+
+        torch.manual_seed(42)
+        fit = sf.fuse(loss_fn, opt, steps=6, model=model) if fused else None
+        for _ in range(3):
+            if fused:
+                fit(x)
+            else:
+                for _ in range(6):
+                    opt.zero_grad()
+                    loss_fn(x).backward()
+                    opt.step()
+        return fit, model.weight.detach().clone(), torch.get_rng_state()
+
+    fit, weight, rng = run(True)
+    _, ref_weight, ref_rng = run(False)
+    assert fit.mode == "fused" and fit.chunk == 1
+    torch.testing.assert_close(weight, ref_weight, rtol=0, atol=0)
+    assert torch.equal(rng, ref_rng)

@@ -395,6 +395,11 @@ def _make_body(wrapper, names, others, update, info, K, re, tol, P, capturable, 
     return body
 
 
+def _rng_states(cuda) -> list:
+    """torch's random states: the CPU generator's and those of the given CUDA devices."""
+    return [torch.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in cuda]
+
+
 class FusedFit:
     """A fused fit: ``fit(*batch, steps=None)`` runs the optimizer steps, returns a `Trace`.
 
@@ -661,9 +666,16 @@ class FusedFit:
                        if isinstance(t, torch.Tensor) and t.is_cuda})
         try:
             with torch.random.fork_rng(devices=cuda):
+                before = _rng_states(cuda)
                 self._check_loss(batch)
+                draws = any(not torch.equal(a, b) for a, b in zip(before, _rng_states(cuda)))
         finally:
             _put_back(saved)
+        if draws and self.chunk > 1:
+            # Each step of a chunk runs its forward pass, also the masked steps after the
+            # call's last one: with random draws (dropout) those would advance the random
+            # state past the plain loop's. One step a chunk draws exactly what the steps run.
+            self.chunk = 1
         self._probed.add(sig)
 
     def _hold_buffers(self) -> list:
@@ -1002,7 +1014,9 @@ def fuse(
         ran at 15.1 us/step and compiled in 9.7 s, ``chunk=4`` at 9.8 us/step in 4.2 s
         (warm compile cache). On an H200, ``chunk=8`` ran the seed as fast as
         ``chunk=4`` (12.4 against 12.7 us/step), since the CUDA graphs replay many
-        chunks at once. Default {chunk}.
+        chunks at once. A ``loss_fn`` that draws random numbers (dropout) runs with
+        ``chunk=1``: every step of a chunk runs its forward pass, so the masked steps
+        after a call's last one would draw masks the plain loop never draws. Default {chunk}.
 
     Returns:
       A `FusedFit`; ``trace = fit(*batch, steps=None)``.
