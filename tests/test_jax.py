@@ -320,6 +320,101 @@ def test_nonfinite_stops_before_the_bad_update_at_the_oracles_step(opt):
     np.testing.assert_allclose(err.value.state.params, ref_params, rtol=1e-5)
 
 
+STATEFUL = {
+    "adam": lambda: optax.adam(0.3),
+    "sgd_momentum": lambda: optax.sgd(0.01, momentum=0.9),
+    "rmsprop": lambda: optax.rmsprop(0.1),
+}
+
+
+def wall_loss(w, target):
+    """Finite while w[0] < 3, NaN past it; the target draws w[0] beyond it when above 3."""
+    return jnp.sum((w - target) ** 2) + jnp.sqrt(3.0 - w[0]), w
+
+
+def _tree_equal(a, b):
+    for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_array_equal(u, v)
+
+
+@pytest.mark.parametrize("notify", [False, True], ids=["plain", "callback"])
+@pytest.mark.parametrize("opt_name", STATEFUL)
+def test_nonfinite_with_optimizer_state_gives_the_state_of_a_call_stopping_there_bitwise(opt_name, notify):
+    # The loop applies a step before its test reads the step's check; a refused update is
+    # undone by running the call's finite steps again. The state, trace and aux must be
+    # those of a call of exactly those steps (bit for bit) and of optax's loop.
+    opt, target, w0 = STATEFUL[opt_name](), jnp.array([5.0, -1.0]), jnp.zeros(2)
+    k, ref_params, ref_opt = first_nonfinite_update(lambda w, t: wall_loss(w, t)[0], opt, w0, (target,), 300)
+    assert k > 5
+    seen = []
+    notified = {"callback": lambda s, l: seen.append((s, l)), "every": 3} if notify else {}
+    fit = sf.fuse(wall_loss, opt, steps=300, has_aux=True, **notified)
+    state, trace, aux = fit(fit.init(w0), target)
+    assert trace.stop is Stop.NONFINITE and trace.steps == k and int(state.step) == k
+    assert len(trace.loss) == k + 1 and np.isnan(trace.loss[-1])
+    exact = sf.fuse(wall_loss, opt, steps=300, has_aux=True)
+    s_k, t_k, _ = exact(exact.init(w0), target, steps=k)
+    assert t_k.stop is Stop.STEPS
+    _tree_equal(state, s_k)
+    np.testing.assert_array_equal(trace.loss[:k], t_k.loss)
+    np.testing.assert_array_equal(aux, state.params)  # the aux of the refused point: its params
+    assert_trees_close(state.params, ref_params, rtol=1e-5)
+    assert_trees_close(state.opt_state, ref_opt, rtol=1e-5)
+    if notify:  # every applied multiple of 3, once, with the loss before it
+        assert [s for s, _ in seen] == list(range(3, k + 1, 3))
+        np.testing.assert_allclose([l for _, l in seen], trace.loss[2:k:3], rtol=1e-6)
+
+
+def test_vmap_with_models_stopping_at_different_steps_equals_separate_fits():
+    # Under vmap the loop runs while any model runs, and undoes a refused update only for
+    # the models that met one.
+    fit = sf.fuse(wall_loss, optax.adam(0.1), steps=80, has_aux=True)
+    w0 = jnp.zeros((4, 2))
+    targets = jnp.array([[5.0, -1.0], [2.0, 1.0], [9.0, 0.0], [4.0, 3.0]])  # the second never hits the wall
+    states, traces, _ = jax.vmap(lambda w, t: fit(fit.init(w), t))(w0, targets)
+    stops = []
+    for i in range(4):
+        state, trace, _ = fit(fit.init(w0[i]), targets[i])
+        stops.append(trace.stop)
+        assert int(traces.steps[i]) == trace.steps and int(traces.stop[i]) == trace.stop
+        np.testing.assert_allclose(states.params[i], state.params, rtol=1e-5)
+        assert_trees_close(jax.tree_util.tree_map(lambda a: a[i], states.opt_state), state.opt_state,
+                           rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(traces.loss[i, :len(trace.loss)], trace.loss, rtol=1e-5)
+    assert stops.count(Stop.NONFINITE) == 3 and len(set(int(s) for s in traces.steps)) == 4
+
+
+def inf_entry_that_returns(finite_at: int, inf_at: int) -> optax.GradientTransformation:
+    """Passes the gradient on; its state holds an entry that is inf at init, 1.0 from
+    update ``finite_at`` (0-based) and inf again from update ``inf_at``."""
+    def init(params):
+        return {"x": jnp.array(jnp.inf, jnp.float32), "n": jnp.zeros((), jnp.int32)}
+
+    def update(grads, state, params=None):
+        n = state["n"]
+        x = jnp.where(n >= inf_at, jnp.inf, jnp.where(n >= finite_at, 1.0, state["x"]))
+        return grads, {"x": x.astype(jnp.float32), "n": n + 1}
+
+    return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 3, 20])
+def test_a_state_entry_left_inf_is_no_nonfinite_update_but_one_made_inf_again_is(steps_per_call):
+    # An entry inf from init and left so counts as finite; once finite, an update that makes
+    # it inf again is refused, whether or not the call began with the entry at inf.
+    opt = optax.chain(inf_entry_that_returns(finite_at=2, inf_at=5), optax.sgd(0.1))
+    for mode in ("fused", "stepwise"):
+        fit = sf.fuse(perceptron_loss, opt, steps=steps_per_call, mode=mode)
+        state, applied = fit.init(perceptron_init()), 0
+        for _ in range(20 // steps_per_call):
+            state, trace = fit(state, X, Y)
+            applied += trace.steps
+            if trace.stop is Stop.NONFINITE:
+                break
+        assert trace.stop is Stop.NONFINITE and applied == 5 == int(state.step), mode
+        assert float(state.opt_state[0]["x"]) == 1.0
+
+
 def test_vmap_over_8_initialisations_equals_8_separate_fits():
     fit = sf.fuse(mlp_loss, optax.adam(0.01), steps=20)
     inits = [mlp_init((2, 16, 2), seed=s) for s in range(8)]

@@ -32,7 +32,6 @@ from ._trace import Stop, Trace, host_trace
 
 __all__ = ["fuse", "Fit", "FitState"]
 
-_RUNNING = -1
 # A float32/float64 loss buffer travels to the host as the integers of its bits (`Fit._run`).
 _INT_OF = {np.dtype(np.float32): np.int32, np.dtype(np.float64): np.int64}
 _FLOAT_OF = {np.dtype(i): f.type for f, i in _INT_OF.items()}
@@ -113,8 +112,36 @@ def _short(tree, limit: int = 400) -> str:
 _SMALL = 1 << 14  # elements: below this the NaN/inf check copies the leaves into one array
 
 
-def _all_finite(tree) -> jax.Array:
-    """Whether every float leaf is finite: ``x * 0`` is 0 for finite ``x`` and NaN otherwise.
+def _inexact_leaves(tree) -> list:
+    return [jnp.ravel(x) for x in jax.tree_util.tree_leaves(tree)
+            if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+
+
+def _flat_state(opt_state) -> jax.Array:
+    """The float entries of an optimizer state as one vector."""
+    leaves = _inexact_leaves(opt_state)
+    return jnp.concatenate(leaves) if leaves else jnp.zeros((0,), jnp.float32)
+
+
+def _held(flat: jax.Array) -> jax.Array:
+    """``flat``'s non-finite entries, NaN at every finite one (NaN equals nothing): the
+    entries of an optimizer state that the next state may keep (see `_nonfinite_probe`)."""
+    return jnp.where(jnp.isfinite(flat), jnp.full_like(flat, jnp.nan), flat)
+
+
+def _nonfinite_probe(tree, state=(), held=None):
+    """``(probe, held')``: ``probe`` a float32 scalar, 0 if every float entry of ``tree``
+    and ``state`` is finite, NaN otherwise (``x * 0`` is 0 for finite ``x``, NaN for
+    NaN/inf). The loop carries it as is and its test reads it, so checking a step costs
+    one reduction.
+
+    An entry of ``state`` equal to its entry of ``held`` (`_held` of the state before,
+    flattened) counts as finite: a state entry already inf and left so
+    (reduce_on_plateau's best value before its first average, an injected max_norm=inf)
+    is no non-finite update. ``held'`` is ``held`` for the next step. The loop carries
+    it: compared with the state of the step before, which the step overwrites in place,
+    every state leaf's comparison was a kernel of its own on XLA:CPU (the seed with Adam:
+    38 -> 31 kernels a step); updating ``held`` is one.
 
     XLA splits a sum over concatenated leaves into one reduction per leaf; on XLA:CPU
     each is a kernel launch, which dominates for small models, so there the leaves are
@@ -122,15 +149,20 @@ def _all_finite(tree) -> jax.Array:
     1.07-1.09 -> 1.01-1.02 us/step). Large models keep the per-leaf reductions, which
     read each leaf once and copy nothing.
     """
-    leaves = [jnp.ravel(x) for x in jax.tree_util.tree_leaves(tree)
-              if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
-    if not leaves:
-        return jnp.bool_(True)
-    dtype = jnp.result_type(*leaves)
-    flat = jnp.concatenate([x.astype(dtype) for x in leaves])
+    checked, kept = _inexact_leaves(tree), _inexact_leaves(state)
+    if not checked + kept:
+        return jnp.float32(0), held
+    dtype = jnp.result_type(*checked, *kept)
+    flat = jnp.concatenate([x.astype(dtype) for x in checked + kept])
     if flat.size <= _SMALL:
         flat = jax.lax.optimization_barrier(flat)
-    return jnp.isfinite(jnp.sum(flat * 0))
+    zeros = flat * 0  # times 0 before any cast: a float64 1e300 is finite
+    if kept:
+        n = flat.size - held.size
+        zeros = jnp.where(flat == jnp.concatenate([jnp.full((n,), jnp.nan, dtype), held.astype(dtype)]),
+                          jnp.zeros_like(zeros), zeros)
+        held = _held(flat[n:]).astype(held.dtype)  # exact: the entries are of that dtype
+    return jnp.sum(zeros.astype(jnp.float32)), held
 
 
 def _extra_args(optimizer, loss, value, grads, batch) -> Dict[str, Any]:
@@ -511,7 +543,7 @@ class Fit:
         except BaseException as e:  # re-raised on the host once the call returns
             self._callback_error = e
 
-    def _propose(self, params, opt_state, batch, loss: Optional[_Loss] = None):
+    def _propose(self, params, opt_state, batch, loss: Optional[_Loss] = None, held=None):
         _check_opt_state(self.optimizer, params, opt_state)
         loss = loss or _Loss(self.loss_fn, self.has_aux, params, batch)
         (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(params, *batch)
@@ -519,13 +551,11 @@ class Fit:
                                    _extra_args(self.optimizer, loss, value, grads, batch))
         new_params = optax.apply_updates(params, updates)
         new_params = jax.tree_util.tree_map(lambda n, p: n.astype(p.dtype), new_params, params)
-        # A state entry that was already inf and stays so (reduce_on_plateau's best value
-        # before its first average, an injected max_norm=inf) is no non-finite update.
-        kept = jax.tree_util.tree_map(
-            lambda new, old: jnp.where(new == old, jnp.zeros_like(new), new)
-            if jnp.issubdtype(jnp.result_type(new), jnp.inexact) else new, new_opt, opt_state)
-        finite = _all_finite((value, grads, new_params, kept))
-        return value, aux, new_params, new_opt, finite
+        # `held`: the state entries that count as finite while left unchanged (see
+        # `_nonfinite_probe`), carried by the loop; computed here for a single step.
+        held = _held(_flat_state(opt_state)) if held is None else held
+        probe, held = _nonfinite_probe((value, grads, new_params), new_opt, held)
+        return value, aux, new_params, new_opt, probe, held
 
     def _run(self, state: FitState, batch, n, period, *, scan_steps=None, host_id=None, pack=False):
         params, opt_state, step0 = state
@@ -539,31 +569,49 @@ class Fit:
         within_tol = None if opts.tol is None else _within_tol(opts.tol, loss.dtype)
         aux0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), loss.aux_shape)
         nan = jnp.array(jnp.nan, loss.dtype)
-        # (step, params, opt_state, trace, last loss, stop code, aux, the loss before the last)
+        # (step, params, opt_state, trace, last loss, the last step's non-finite probe (0 or
+        # NaN), aux, the loss before the last, the state entries it may keep: see
+        # `_nonfinite_probe`)
         carry = (jnp.int32(0), params, opt_state, jnp.full((size + 1,), jnp.nan, loss.dtype),
-                 nan, jnp.int32(_RUNNING), aux0, nan)
+                 nan, jnp.float32(0), aux0, nan, _held(_flat_state(opt_state)))
         carry = _varying_like(carry, (params, opt_state, batch))
 
-        def make_body(first, unrecorded):
-            """One step; its loss goes to ``buf[i // k - first]`` or, off the record, to ``buf[unrecorded]``."""
+        def make_body(first, unrecorded, guarded):
+            """One step; its loss goes to ``buf[i // k - first]`` or, off the record, to ``buf[unrecorded]``.
+
+            ``guarded``: a non-finite update is not applied (the masked scan). Otherwise the
+            step applies every update and the loop stops after a refused one (its test reads
+            the probe); `redo` then rebuilds the state before it. Selecting the old state
+            at every step cost a kernel per optimizer-state leaf on XLA:CPU, where the
+            selected value must be materialised apart from its update.
+            """
 
             def body(c):
-                i, params, opt_state, buf, prev, _, _, before = c
-                value, aux, new_params, new_opt, finite = self._propose(params, opt_state, batch, loss)
+                i, params, opt_state, buf, prev, _, _, before, held = c
+                value, aux, new_params, new_opt, probe, new_held = self._propose(
+                    params, opt_state, batch, loss, held)
                 slot = jnp.where(i % k == 0, i // k - first, unrecorded)
                 buf = jax.lax.dynamic_update_index_in_dim(buf, value, slot, 0)
-                params, opt_state = _select(finite, (new_params, new_opt), (params, opt_state))
-                stop = jnp.where(finite, _RUNNING, Stop.NONFINITE)
+                if guarded:
+                    new_params, new_opt = _select(jnp.isfinite(probe), (new_params, new_opt),
+                                                  (params, opt_state))
+                # Written after the probe has read the old one (it depends on the probe): else
+                # XLA copies it twice a step to update it in place.
+                new_held = _select(jnp.isfinite(probe), new_held, held)
                 last = value if keep_loss else prev
                 before = prev if opts.tol is not None else before
-                return i + 1, params, opt_state, buf, last, jnp.int32(stop), aux, before
+                return i + 1, new_params, new_opt, buf, last, probe, aux, before, new_held
 
             return body
+
+        def refused(c):
+            """Whether the last evaluated step was non-finite (the loop stops there)."""
+            return ~jnp.isfinite(c[5])
 
         def applied(c):
             """Updates applied so far: every evaluated step but a refused (non-finite) last one
             (the loop stops there), so the loop needn't carry a counter."""
-            return c[0] - (c[5] == Stop.NONFINITE).astype(jnp.int32)
+            return c[0] - refused(c).astype(jnp.int32)
 
         def converged(c):
             """Whether the last two losses met `tol` (the last update was applied: TOL).
@@ -578,7 +626,7 @@ class Fit:
             return within_tol(c[4], c[7])
 
         def live(c):
-            return (c[5] == _RUNNING) & ~converged(c)
+            return jnp.isfinite(c[5]) & ~converged(c)
 
         def running(c):
             return (c[0] < n) & live(c)
@@ -620,7 +668,7 @@ class Fit:
             limit = jnp.minimum(end, (first + C) * k)
             small = jnp.concatenate([jax.lax.dynamic_slice(big, (first,), (C,)), big[-1:]])
             inner = jax.lax.while_loop(lambda c: (c[0] < limit) & live(c),
-                                       make_body(first, C), c[:3] + (small,) + c[4:])
+                                       make_body(first, C, False), c[:3] + (small,) + c[4:])
             big = jax.lax.dynamic_update_slice(big, inner[3][:C], (first,))
             if opts.notify and not keep_loss:  # the last unrecorded loss, for `last_loss`
                 big = big.at[size].set(inner[3][C])
@@ -637,19 +685,38 @@ class Fit:
                                      lambda c: chunk(c, end), c)
             return notify(c, new)
 
+        def redo(c, flag):
+            """After a refused update: the state before it, run again from the call's start.
+
+            Each step up to it is the same computation on the same values (a step is one
+            function of the carry, wherever a chunk or segment splits the loop), so the
+            state is that of the first run bit for bit (tested); no notifications. The
+            trace, the aux and the step count of the refused step are the first run's.
+            Costs the call's finite steps once more, in the call that stops on NONFINITE.
+            """
+            # Under vmap the loop runs for every model while one needs it: the others redo nothing.
+            good = jnp.where(refused(c), applied(c), 0)
+            again = carry[:3] + (c[3],) + carry[4:]
+            again = jax.lax.while_loop(lambda a: a[0] < good, lambda a: chunk(a, good), again)
+            return (c[0],) + again[1:5] + (c[5], c[6]) + again[7:], jnp.ones_like(flag)
+
         if scan_steps is None:
             out = jax.lax.while_loop(running, segment if opts.notify else lambda c: chunk(c, n), carry)
+            # A loop, not a cond: under vmap a cond runs both branches, a loop only as long
+            # as a model needs it (here: none, unless one met a non-finite update).
+            out = jax.lax.while_loop(lambda o: refused(o[0]) & ~o[1], lambda o: redo(*o),
+                                     (out, _varying_like(jnp.bool_(False), out)))[0]
         else:  # reverse-differentiable: fixed length, finished steps masked
-            body = make_body(0, size)
+            body = make_body(0, size, True)
 
             def scan_body(c, _):
                 new = jax.lax.cond(running(c), body, lambda c: c, c)
                 return (notify(c, new) if opts.notify else new), None
 
             out = jax.lax.scan(scan_body, carry, None, length=scan_steps)[0]
-        _, params, opt_state, buf, _, stop, aux, _ = out
+        _, params, opt_state, buf, _, _, aux, _, _ = out
         applied = applied(out)
-        stop = jnp.where(stop == _RUNNING, jnp.where(converged(out), Stop.TOL, Stop.STEPS), stop)
+        stop = jnp.where(refused(out), Stop.NONFINITE, jnp.where(converged(out), Stop.TOL, Stop.STEPS))
         ints = _INT_OF.get(np.dtype(buf.dtype))
         if pack and ints is not None:
             # For the host: the losses' bits, then applied and stop, as one integer array.
@@ -665,9 +732,9 @@ class Fit:
         held = {"params": state.params, "opt": state.opt_state, "aux": None}
 
         def propose():
-            value, aux, new_params, new_opt, finite = self._step(held["params"], held["opt"], batch)
+            value, aux, new_params, new_opt, probe, _ = self._step(held["params"], held["opt"], batch)
             held["aux"] = aux
-            return np.asarray(value), bool(finite), (new_params, new_opt)
+            return np.asarray(value), bool(np.isfinite(probe)), (new_params, new_opt)
 
         def commit(token):
             held["params"], held["opt"] = token

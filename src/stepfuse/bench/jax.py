@@ -54,13 +54,17 @@ def fori_loops(grad_step, loss_step, compiler_options=None):
     }
 
 
-def contenders(size: str, n: int, lr: float = 0.01, compiler_options=None):
-    """Builders (see `stepfuse.bench._timing.measure`) for every JAX contender on ``size``;
-    ``compiler_options`` (XLA options) go to every contender's ``jax.jit`` alike."""
+OPTIMIZERS = {"sgd": optax.sgd, "momentum": lambda lr: optax.sgd(lr, momentum=0.9), "adam": optax.adam}
+
+
+def contenders(size: str, n: int, lr: float = 0.01, compiler_options=None, optimizer: str = "sgd"):
+    """Builders (see `stepfuse.bench._timing.measure`) for every JAX contender on ``size``
+    with ``OPTIMIZERS[optimizer](lr)``; ``compiler_options`` (XLA options) go to every
+    contender's ``jax.jit`` alike."""
     layers, x, y = problem(size)
     params = jax.tree_util.tree_map(jnp.asarray, layers)
     batch = (jnp.asarray(x), jnp.asarray(y))
-    optimizer = optax.sgd(lr)
+    optimizer = OPTIMIZERS[optimizer](lr)
     loss_fn = mlp_loss
     one_step, loss_step = optax_steps(optimizer, batch, loss_fn)
     loops = fori_loops(one_step, loss_step, compiler_options)
