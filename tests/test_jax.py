@@ -363,6 +363,12 @@ def test_nonfinite_with_optimizer_state_gives_the_state_of_a_call_stopping_there
     if notify:  # every applied multiple of 3, once, with the loss before it
         assert [s for s, _ in seen] == list(range(3, k + 1, 3))
         np.testing.assert_allclose([l for _, l in seen], trace.loss[2:k:3], rtol=1e-6)
+    else:  # inside a user's jit the program undoes the refused update itself
+        j_state, j_trace, j_aux = jax.jit(fit)(fit.init(w0), target)
+        assert int(j_trace.stop) == Stop.NONFINITE and int(j_trace.steps) == k == int(j_state.step)
+        assert_trees_close(j_state, state, rtol=1e-6)
+        np.testing.assert_allclose(j_trace.loss[:k + 1], trace.loss, rtol=1e-6)
+        np.testing.assert_array_equal(j_aux, j_state.params)
 
 
 def test_vmap_with_models_stopping_at_different_steps_equals_separate_fits():

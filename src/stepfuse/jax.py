@@ -378,7 +378,9 @@ class Fit:
         self._notifier: Optional[Notifier] = None
         self._callback_error: Optional[BaseException] = None
         self._ints: Dict[int, jax.Array] = {}  # see `_int32`
-        self._fused = jax.jit(self._run, static_argnames=("scan_steps", "host_id", "pack"), **jit_options)
+        self._fused = jax.jit(self._run, static_argnames=("scan_steps", "host_id", "pack", "rebuild"),
+                              **jit_options)
+        self._muted = False  # while `_rebuild` runs: its notifications are the first run's again
         self._seconds_per_step: Optional[float] = None  # the last notifying call's speed
         self._host_id = _jax_host.register(self._from_host) if opts.notify else None
         self._step = jax.jit(self._propose, **jit_options)
@@ -443,8 +445,9 @@ class Fit:
             m, period = np.int32(n), self._period(notify)
             if not traced:
                 m, period = self._int32(m), self._int32(period)
-            state, out, aux = self._fused(state, batch, m, period,
-                                          scan_steps=scan_steps, host_id=host_id, pack=not traced)
+            start = state
+            state, out, aux = self._fused(state, batch, m, period, scan_steps=scan_steps, host_id=host_id,
+                                          pack=not traced, rebuild=traced)
             if not isinstance(out, tuple):  # packed: one transfer to the host (see `_run`)
                 out = np.asarray(out)
                 buf = out[:-2].view(np.float32 if out.dtype == np.int32 else _FLOAT_OF[out.dtype])
@@ -457,6 +460,8 @@ class Fit:
                 self._seconds_per_step = (time.perf_counter() - t0) / max(done, 1)
         if self._callback_error is not None:
             raise self._callback_error
+        if not traced and scan_steps is None and int(stop) == Stop.NONFINITE:
+            state = self._rebuild(start, batch, int(applied), period, host_id)
         k = self.opts.record_every
         if traced or np.ndim(buf) != 1:
             trace = Trace(buf[..., : self.opts.capacity], applied, stop, k)
@@ -466,12 +471,30 @@ class Fit:
                 trace = finish(trace, self.opts, int(state.step) - trace.steps, state)  # error.state: the new one
         return (state, trace, aux) if self.has_aux else (state, trace)
 
+    def _rebuild(self, state: FitState, batch, good: int, period, host_id) -> FitState:
+        """The state after the first ``good`` updates of a call from ``state``: after a
+        refused update, the state before it.
+
+        The fused loop applies every update and stops after a refused one (see `_run`).
+        This runs the call's finite steps again through the same compiled program, its
+        notifications muted: a step is one function of the loop's carry, wherever chunks
+        and notifications split the loop, so it gives the first run's state bit for bit
+        (tested). It costs those steps once more, in a call that stops on NONFINITE only.
+        """
+        self._muted = True
+        try:
+            new, _, _ = self._fused(state, batch, self._int32(good), period, scan_steps=None,
+                                    host_id=host_id, pack=True, rebuild=False)
+            return jax.block_until_ready(new)  # its host calls happen while it runs
+        finally:
+            self._muted = False
+
     def _compiled_text(self, state: FitState, *batch, steps: Optional[int] = None) -> str:
         """The HLO text of the program a plain call of ``steps`` runs, as XLA compiled it
         (for inspection: `benchmarks/jax_kernels.py`, the tests)."""
         n = np.int32(self.opts.steps if steps is None else steps)
         return self._fused.lower(state, batch, n, self._period(False), scan_steps=None, host_id=None,
-                                 pack=True).compile().as_text()
+                                 pack=True, rebuild=False).compile().as_text()
 
     def _int32(self, value) -> jax.Array:
         """``value`` as an int32 array already on the device, kept per value: a NumPy
@@ -507,6 +530,8 @@ class Fit:
         """The host side of the in-loop callback through ``jax.debug.callback``: an int32
         array of (step, hit, the loss's bits: one int for a float32 loss, two for float64),
         one row per model under vmap."""
+        if self._muted:
+            return
         packed = np.asarray(packed, np.int32)
         packed = packed.reshape(-1, packed.shape[-1])
         losses = np.ascontiguousarray(packed[:, 2:]).view(np.float32 if packed.shape[1] == 3 else np.float64)
@@ -520,7 +545,7 @@ class Fit:
         """The host side of the FFI path (one model, outside user transforms): the ints
         (step, hit, the loss's bits: one int for a float32 loss, two for float64)."""
         step, hit, *bits = values
-        if hit and self._callback_error is None:
+        if hit and self._callback_error is None and not self._muted:
             fmt = "<f" if len(bits) == 1 else "<d"
             self._deliver(step, struct.unpack(fmt, struct.pack(f"<{len(bits)}i", *bits))[0])
 
@@ -557,7 +582,8 @@ class Fit:
         probe, held = _nonfinite_probe((value, grads, new_params), new_opt, held)
         return value, aux, new_params, new_opt, probe, held
 
-    def _run(self, state: FitState, batch, n, period, *, scan_steps=None, host_id=None, pack=False):
+    def _run(self, state: FitState, batch, n, period, *, scan_steps=None, host_id=None, pack=False,
+             rebuild=True):
         params, opt_state, step0 = state
         opts, k, C = self.opts, self.opts.record_every, _CHUNK
         loss = _Loss(self.loss_fn, self.has_aux, params, batch)
@@ -581,9 +607,10 @@ class Fit:
 
             ``guarded``: a non-finite update is not applied (the masked scan). Otherwise the
             step applies every update and the loop stops after a refused one (its test reads
-            the probe); `redo` then rebuilds the state before it. Selecting the old state
-            at every step cost a kernel per optimizer-state leaf on XLA:CPU, where the
-            selected value must be materialised apart from its update.
+            the probe); `Fit._rebuild` (or `redo`, in a traced call) then rebuilds the state
+            before it. Selecting the old state at every step cost a kernel per
+            optimizer-state leaf on XLA:CPU, where the selected value must be materialised
+            apart from its update.
             """
 
             def body(c):
@@ -685,27 +712,19 @@ class Fit:
                                      lambda c: chunk(c, end), c)
             return notify(c, new)
 
-        def redo(c, flag):
-            """After a refused update: the state before it, run again from the call's start.
-
-            Each step up to it is the same computation on the same values (a step is one
-            function of the carry, wherever a chunk or segment splits the loop), so the
-            state is that of the first run bit for bit (tested); no notifications. The
-            trace, the aux and the step count of the refused step are the first run's.
-            Costs the call's finite steps once more, in the call that stops on NONFINITE.
-            """
-            # Under vmap the loop runs for every model while one needs it: the others redo nothing.
-            good = jnp.where(refused(c), applied(c), 0)
-            again = carry[:3] + (c[3],) + carry[4:]
+        def redo(good):
+            """`Fit._rebuild` inside the program, for a call traced by a user's transform."""
+            again = carry[:3] + _varying_like((jnp.full((size + 1,), jnp.nan, loss.dtype),), carry) + carry[4:]
             again = jax.lax.while_loop(lambda a: a[0] < good, lambda a: chunk(a, good), again)
-            return (c[0],) + again[1:5] + (c[5], c[6]) + again[7:], jnp.ones_like(flag)
+            return again[1], again[2]
 
         if scan_steps is None:
             out = jax.lax.while_loop(running, segment if opts.notify else lambda c: chunk(c, n), carry)
-            # A loop, not a cond: under vmap a cond runs both branches, a loop only as long
-            # as a model needs it (here: none, unless one met a non-finite update).
-            out = jax.lax.while_loop(lambda o: refused(o[0]) & ~o[1], lambda o: redo(*o),
-                                     (out, _varying_like(jnp.bool_(False), out)))[0]
+            if rebuild:  # else the host does it (`Fit._rebuild`): this cond costs ~5 us a call
+                # under vmap both branches run: no step for the models that need none
+                good = jnp.where(refused(out), applied(out), 0)
+                params, opt_state = jax.lax.cond(refused(out), redo, lambda _: out[1:3], good)
+                out = out[:1] + (params, opt_state) + out[3:]
         else:  # reverse-differentiable: fixed length, finished steps masked
             body = make_body(0, size, True)
 
