@@ -6,7 +6,7 @@ a loop's time goes. Compiles, for the given size and optimizer, `fori_loop` (gra
 only), `fori_loop` with the loss evaluated each step, and stepfuse's fused call (with
 and without `tol`), and prints the kernels in each one's innermost loop body (stepfuse
 runs its steps in an inner loop of chunks; its outer loop's kernels run once per chunk
-and are printed apart, as is the loop that runs again after a refused update).
+and are printed apart).
 
 Run:  python benchmarks/jax_kernels.py [--size seed|mlp|wide|deep] [--optimizer sgd|momentum|adam]
 """
@@ -60,8 +60,7 @@ def main(argv=None):
     print(f"kernels per loop-body run, {args.size}, {args.optimizer} ({jax.default_backend()}):")
     for name, hlo in loops.items():
         counts = sorted((k for _, k in loop_bodies(hlo)), reverse=True)
-        outer = (f"  (other loops, run once per chunk or after a refused update: "
-                 f"{', '.join(map(str, counts[1:]))})" if len(counts) > 1 else "")
+        outer = f"  (outer loop, once per chunk: {', '.join(map(str, counts[1:]))})" if len(counts) > 1 else ""
         print(f"  {name:28s} {counts[0]}{outer}")
 
 
