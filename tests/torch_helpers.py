@@ -116,7 +116,16 @@ def assert_close_lists(a, b, rtol=RTOL, atol=ATOL):
         np.testing.assert_allclose(_host(u), _host(v), rtol=rtol, atol=atol)
 
 
-def assert_same_state(s1, s2, rtol=RTOL, atol=ATOL):
+# Centered RMSprop's momentum buffer sums g / sqrt(E[g^2] - E[g]^2) over the steps: terms of
+# size ~1 whatever the gradient's scale, so a gradient that is a small difference of large
+# sums (the perceptron's second input column) carries its float32 rounding, which differs
+# between the compiled and the eager kernels, into the buffer at ~1e-6 absolute (1.1e-6 after
+# 8 steps on an AMD EPYC with AVX-512; within ATOL on the machines before). The parameters,
+# which move by lr times it, still agree to RTOL.
+STATE_ATOL = {"rmsprop": {"momentum_buffer": 1e-5}}
+
+
+def assert_same_state(s1, s2, rtol=RTOL, atol=ATOL, atol_by_key=None):
     assert len(s1) == len(s2)
     for d1, d2 in zip(s1, s2):
         assert set(d1) == set(d2), (set(d1), set(d2))
@@ -124,8 +133,8 @@ def assert_same_state(s1, s2, rtol=RTOL, atol=ATOL):
             if d1[k] is None or d2[k] is None:
                 assert d1[k] is None and d2[k] is None
                 continue
-            np.testing.assert_allclose(_host(d1[k]), _host(d2[k]), rtol=rtol, atol=atol,
-                                       err_msg=f"state[{k!r}]")
+            np.testing.assert_allclose(_host(d1[k]), _host(d2[k]), rtol=rtol,
+                                       atol=(atol_by_key or {}).get(k, atol), err_msg=f"state[{k!r}]")
 
 
 def _host(v):
