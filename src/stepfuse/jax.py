@@ -140,8 +140,8 @@ def _nonfinite_probe(tree, state=(), held=None):
     (reduce_on_plateau's best value before its first average, an injected max_norm=inf)
     is no non-finite update. ``held'`` is ``held`` for the next step. The loop carries
     it: compared with the state of the step before, which the step overwrites in place,
-    every state leaf's comparison was a kernel of its own on XLA:CPU (4 a step for Adam
-    on the seed, 12 on the `mlp`); updating ``held`` is one.
+    every state leaf's comparison was a kernel of its own on XLA:CPU (with Adam: 38
+    against 31 kernels a step on the seed, 80 against 59 on the `mlp`).
 
     XLA splits a sum over concatenated leaves into one reduction per leaf; on XLA:CPU
     each is a kernel launch, which dominates for small models, so there the leaves are
