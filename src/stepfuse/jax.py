@@ -129,7 +129,7 @@ def _held(flat: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(flat), jnp.full_like(flat, jnp.nan), flat)
 
 
-def _nonfinite_probe(tree, state=(), held=None):
+def _nonfinite_probe(tree, state, held):
     """``(probe, held')``: ``probe`` a float32 scalar, 0 if every float entry of ``tree``
     and ``state`` is finite, NaN otherwise (``x * 0`` is 0 for finite ``x``, NaN for
     NaN/inf). The loop carries it as is and its test reads it, so checking a step costs
