@@ -619,12 +619,12 @@ class Fit:
                     params, opt_state, batch, loss, held)
                 slot = jnp.where(i % k == 0, i // k - first, unrecorded)
                 buf = jax.lax.dynamic_update_index_in_dim(buf, value, slot, 0)
+                ok = jnp.isfinite(probe)
                 if guarded:
-                    new_params, new_opt = _select(jnp.isfinite(probe), (new_params, new_opt),
-                                                  (params, opt_state))
+                    new_params, new_opt = _select(ok, (new_params, new_opt), (params, opt_state))
                 # Written after the probe has read the old one (it depends on the probe): else
                 # XLA copies it twice a step to update it in place.
-                new_held = _select(jnp.isfinite(probe), new_held, held)
+                new_held = _select(ok, new_held, held)
                 last = value if keep_loss else prev
                 before = prev if opts.tol is not None else before
                 return i + 1, new_params, new_opt, buf, last, probe, aux, before, new_held
@@ -653,7 +653,7 @@ class Fit:
             return within_tol(c[4], c[7])
 
         def live(c):
-            return jnp.isfinite(c[5]) & ~converged(c)
+            return ~refused(c) & ~converged(c)
 
         def running(c):
             return (c[0] < n) & live(c)
