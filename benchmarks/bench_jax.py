@@ -6,6 +6,9 @@ Contenders, timed side by side in this one process (best of interleaved repeats)
   fori_loop (loss each step)
                       the same loop taking value_and_grad, keeping the last loss: the floor
                       for any loop that reports a loss per step (nothing recorded)
+  fori_loop (recording losses)
+                      the same loop writing each loss into a buffer at its step: the
+                      per-step losses a stepfuse trace holds, recorded by hand
   scan (with losses)  a hand-written lax.scan of optax steps returning per-step losses
   jit per step        jax.jit of one step, called N times from Python
 
@@ -47,6 +50,7 @@ def main(argv=None):
     sf = r["stepfuse"].us_per_step
     print(f"stepfuse / fori_loop = {sf / r['fori_loop'].us_per_step:.2f}x   "
           f"stepfuse / fori_loop (loss each step) = {sf / r['fori_loop (loss each step)'].us_per_step:.2f}x   "
+          f"stepfuse / fori_loop (recording losses) = {sf / r['fori_loop (recording losses)'].us_per_step:.2f}x   "
           f"stepfuse / scan (with losses) = {sf / r['scan (with losses)'].us_per_step:.2f}x   "
           f"jit per step / stepfuse = {r['jit per step'].ratio:.1f}x")
     if args.json:

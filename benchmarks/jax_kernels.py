@@ -3,10 +3,15 @@
 On small problems a compiled step costs about its number of kernels (fusions, dots,
 copies, concatenations ...) times XLA:CPU's per-kernel cost, so counting them says where
 a loop's time goes. Compiles, for the given size and optimizer, `fori_loop` (gradient
-only), `fori_loop` with the loss evaluated each step, and stepfuse's fused call (with
-and without `tol`), and prints the kernels in each one's innermost loop body (stepfuse
-runs its steps in an inner loop of chunks; its outer loop's kernels run once per chunk
-and are printed apart).
+only), `fori_loop` with the loss evaluated each step, the same with each loss written
+into a buffer of 10,000, and stepfuse's fused call (with and without `tol`), and prints
+the kernels in each one's innermost loop body (stepfuse runs its steps in an inner loop
+of chunks; its outer loop's kernels run once per chunk and are printed apart).
+
+Kernels do not all cost alike: a YNN fusion (the seed's forward matmul) costs about as
+much as the rest of a `fori_loop` step, and a loop body that touches any buffer over
+512 bytes (the 10,000 recorded losses) runs on XLA:CPU's concurrent executor, where each
+kernel costs more than in the sequential one (see the README's Benchmarks).
 
 Run:  python benchmarks/jax_kernels.py [--size seed|mlp|wide|deep] [--optimizer sgd|momentum|adam]
 """

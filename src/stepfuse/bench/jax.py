@@ -9,8 +9,8 @@ import optax
 from .. import jax as sf
 from .problems import problem
 
-CONTENDERS = ("stepfuse", "fori_loop", "fori_loop (loss each step)", "scan (with losses)",
-              "jit per step")
+CONTENDERS = ("stepfuse", "fori_loop", "fori_loop (loss each step)", "fori_loop (recording losses)",
+              "scan (with losses)", "jit per step")
 
 
 def mlp_loss(layers, x, y):
@@ -42,15 +42,27 @@ def _jit(fn, compiler_options=None):
     return jax.jit(fn, **({"compiler_options": compiler_options} if compiler_options else {}))
 
 
-def fori_loops(grad_step, loss_step, compiler_options=None):
+def fori_loops(grad_step, loss_step, compiler_options=None, capacity: int = 10_000):
     """The hand-written ``lax.fori_loop`` contenders, jitted as ``run(params, opt_state, m)``:
-    of `optax_steps`' gradient step, and of its loss step keeping the last loss (nothing
-    recorded), the floor for any loop that reports per-step losses."""
+    of `optax_steps`' gradient step; of its loss step keeping the last loss (nothing
+    recorded), the floor for any loop that reports per-step losses; and of its loss step
+    writing each loss into a buffer of ``capacity`` (``m`` at most), as a user would to get
+    the per-step losses a stepfuse trace holds."""
+
+    def recording(p, s, m):
+        def body(i, c):
+            p, s, losses = c
+            p, s, value = loss_step(p, s)
+            return p, s, losses.at[i].set(value)
+
+        return jax.lax.fori_loop(0, m, body, (p, s, jnp.full((capacity,), jnp.nan, jnp.float32)))
+
     return {
         "fori_loop": _jit(lambda p, s, m: jax.lax.fori_loop(0, m, lambda _, c: grad_step(*c), (p, s)),
                           compiler_options),
         "fori_loop (loss each step)": _jit(lambda p, s, m: jax.lax.fori_loop(
             0, m, lambda _, c: loss_step(*c[:2]), (p, s, jnp.float32(0))), compiler_options),
+        "fori_loop (recording losses)": _jit(recording, compiler_options),
     }
 
 
@@ -67,7 +79,7 @@ def contenders(size: str, n: int, lr: float = 0.01, compiler_options=None, optim
     optimizer = OPTIMIZERS[optimizer](lr)
     loss_fn = mlp_loss
     one_step, loss_step = optax_steps(optimizer, batch, loss_fn)
-    loops = fori_loops(one_step, loss_step, compiler_options)
+    loops = fori_loops(one_step, loss_step, compiler_options, capacity=n)
 
     def stepfuse():
         fit = sf.fuse(loss_fn, optimizer, steps=n, compiler_options=compiler_options)
@@ -101,5 +113,6 @@ def contenders(size: str, n: int, lr: float = 0.01, compiler_options=None, optim
         return run
 
     return {"stepfuse": stepfuse, "fori_loop": fori("fori_loop"),
-            "fori_loop (loss each step)": fori("fori_loop (loss each step)"), "scan (with losses)": scan,
+            "fori_loop (loss each step)": fori("fori_loop (loss each step)"),
+            "fori_loop (recording losses)": fori("fori_loop (recording losses)"), "scan (with losses)": scan,
             "jit per step": jit_per_step}, {"jit per step": min(n, 1000)}
