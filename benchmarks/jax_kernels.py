@@ -9,9 +9,10 @@ the kernels in each one's innermost loop body (stepfuse runs its steps in an inn
 of chunks; its outer loop's kernels run once per chunk and are printed apart).
 
 Kernels do not all cost alike: a YNN fusion (the seed's forward matmul) costs about as
-much as the rest of a `fori_loop` step, and a loop body that touches any buffer over
-512 bytes (the 10,000 recorded losses) runs on XLA:CPU's concurrent executor, where each
-kernel costs more than in the sequential one (see the README's Benchmarks).
+much as the rest of a `fori_loop` step, and a loop body that touches a buffer over 512
+bytes (the 10,000 recorded losses) ran slower a kernel here, as XLA:CPU's thunk executor
+runs a body's kernels one after another only when every buffer they touch is at most
+512 bytes (see the README's Benchmarks).
 
 Run:  python benchmarks/jax_kernels.py [--size seed|mlp|wide|deep] [--optimizer sgd|momentum|adam]
 """
