@@ -36,26 +36,49 @@ def main(argv=None):
     ap.add_argument("--optimizer", default="sgd", choices=tuple(OPTIMIZERS))
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
-                    help="an XLA compiler option for every contender (repeatable)")
+    ap.add_argument(
+        "--xla-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an XLA compiler option for every contender (repeatable)",
+    )
     args = ap.parse_args(argv)
     options = dict(o.split("=", 1) for o in args.xla_option)
-    builders, steps_for = contenders(args.size, args.steps, compiler_options=options or None,
-                                     optimizer=args.optimizer)
-    results = measure(builders, args.steps, backend="jax", problem=args.size,
-                      repeats=args.repeats, steps_for=steps_for)
-    print_table(results, title=f"JAX, {args.size}, {args.optimizer}, N={args.steps} "
-                               "(x stepfuse = us/step / stepfuse's)")
+    builders, steps_for = contenders(
+        args.size, args.steps, compiler_options=options or None, optimizer=args.optimizer
+    )
+    results = measure(
+        builders,
+        args.steps,
+        backend="jax",
+        problem=args.size,
+        repeats=args.repeats,
+        steps_for=steps_for,
+    )
+    print_table(
+        results,
+        title=f"JAX, {args.size}, {args.optimizer}, N={args.steps} "
+        "(x stepfuse = us/step / stepfuse's)",
+    )
     r = {x.contender: x for x in results}
     sf = r["stepfuse"].us_per_step
-    print(f"stepfuse / fori_loop = {sf / r['fori_loop'].us_per_step:.2f}x   "
-          f"stepfuse / fori_loop (loss each step) = {sf / r['fori_loop (loss each step)'].us_per_step:.2f}x   "
-          f"stepfuse / fori_loop (recording losses) = {sf / r['fori_loop (recording losses)'].us_per_step:.2f}x   "
-          f"stepfuse / scan (with losses) = {sf / r['scan (with losses)'].us_per_step:.2f}x   "
-          f"jit per step / stepfuse = {r['jit per step'].ratio:.1f}x")
+    print(
+        f"stepfuse / fori_loop = {sf / r['fori_loop'].us_per_step:.2f}x   "
+        f"stepfuse / fori_loop (loss each step) = {sf / r['fori_loop (loss each step)'].us_per_step:.2f}x   "
+        f"stepfuse / fori_loop (recording losses) = {sf / r['fori_loop (recording losses)'].us_per_step:.2f}x   "
+        f"stepfuse / scan (with losses) = {sf / r['scan (with losses)'].us_per_step:.2f}x   "
+        f"jit per step / stepfuse = {r['jit per step'].ratio:.1f}x"
+    )
     if args.json:
-        write_json(results, args.json, command="python benchmarks/bench_jax.py", steps=args.steps,
-                   optimizer=args.optimizer, compiler_options=options)
+        write_json(
+            results,
+            args.json,
+            command="python benchmarks/bench_jax.py",
+            steps=args.steps,
+            optimizer=args.optimizer,
+            compiler_options=options,
+        )
 
 
 if __name__ == "__main__":

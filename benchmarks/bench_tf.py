@@ -35,12 +35,20 @@ def build_times(ns=(10, 100, 300), size="seed"):
     for N in ns:
         t0 = time.perf_counter()
         sess, op, feed, g = bench_tf1.graph(
-            layers, xn, yn, lambda f: sf1.copies_train_op(f, tf1.train.GradientDescentOptimizer(SEED_LR), N)[0])
+            layers,
+            xn,
+            yn,
+            lambda f: sf1.copies_train_op(f, tf1.train.GradientDescentOptimizer(SEED_LR), N)[0],
+        )
         sess.run(op, feed)
         t_copies, ops_copies = time.perf_counter() - t0, len(g.get_operations())
         t0 = time.perf_counter()
         sess, fused, feed, g = bench_tf1.graph(
-            layers, xn, yn, lambda f: sf1.fuse(f, tf1.train.GradientDescentOptimizer(SEED_LR), steps=N))
+            layers,
+            xn,
+            yn,
+            lambda f: sf1.fuse(f, tf1.train.GradientDescentOptimizer(SEED_LR), steps=N),
+        )
         sess.run(fused.train_op, feed)
         rows.append((N, t_copies, ops_copies, time.perf_counter() - t0, len(g.get_operations())))
     return rows
@@ -48,7 +56,9 @@ def build_times(ns=(10, 100, 300), size="seed"):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20000, help="steps per timed call for the fused contenders")
+    ap.add_argument(
+        "--steps", type=int, default=20000, help="steps per timed call for the fused contenders"
+    )
     ap.add_argument("--size", default="seed", help="benchmark size: seed, mlp or wide")
     ap.add_argument("--json", default=None, help="write the results to this JSON file")
     ap.add_argument("--repeats", type=int, default=5)
@@ -57,7 +67,14 @@ def main(argv=None):
     results = []
     for backend, module in (("tf", bench_tf), ("tf1", bench_tf1)):
         builders, steps_for = module.contenders(args.size, n)
-        rs = measure(builders, n, backend=backend, problem=args.size, repeats=args.repeats, steps_for=steps_for)
+        rs = measure(
+            builders,
+            n,
+            backend=backend,
+            problem=args.size,
+            repeats=args.repeats,
+            steps_for=steps_for,
+        )
         for r in rs:
             r.note = module.NOTES.get(r.contender, "")
         results += rs
@@ -65,19 +82,33 @@ def main(argv=None):
     by = {(r.backend, r.contender): r.us_per_step for r in results}
     sf_us, v1_us = by["tf", "stepfuse"], by["tf1", "stepfuse"]
     print("\nTargets:")
-    print(f"  stepfuse TF2+XLA vs per-step sess.run : {by['tf1', 'sess.run per step'] / sf_us:8.1f}x faster (target >= 100x)")
-    print(f"  stepfuse TF2+XLA vs Keras fit         : {by['tf', 'Keras fit (steps_per_execution)'] / sf_us:8.1f}x faster (target >= 50x)")
-    print(f"  stepfuse.tf.v1 vs per-step sess.run   : {by['tf1', 'sess.run per step'] / v1_us:8.1f}x faster")
-    print(f"  stepfuse.tf.v1 vs N copies (N<=100)   : {by['tf1', 'N copies (seed answer)'] / v1_us:8.1f}x faster per step")
+    print(
+        f"  stepfuse TF2+XLA vs per-step sess.run : {by['tf1', 'sess.run per step'] / sf_us:8.1f}x faster (target >= 100x)"
+    )
+    print(
+        f"  stepfuse TF2+XLA vs Keras fit         : {by['tf', 'Keras fit (steps_per_execution)'] / sf_us:8.1f}x faster (target >= 50x)"
+    )
+    print(
+        f"  stepfuse.tf.v1 vs per-step sess.run   : {by['tf1', 'sess.run per step'] / v1_us:8.1f}x faster"
+    )
+    print(
+        f"  stepfuse.tf.v1 vs N copies (N<=100)   : {by['tf1', 'N copies (seed answer)'] / v1_us:8.1f}x faster per step"
+    )
     print("\nBuild (graph construction + first run) against N:")
     print(f"  {'N':>5} {'N-copies s':>11} {'ops':>7} {'stepfuse.v1 s':>14} {'ops':>6}")
     rows = build_times(size=args.size)
     for N, tc, oc, tv, ov in rows:
         print(f"  {N:>5} {tc:>11.2f} {oc:>7} {tv:>14.2f} {ov:>6}")
     if args.json:
-        write_json(results, args.json, steps=n, build_vs_n=[
-            {"N": N, "copies_build_s": tc, "copies_ops": oc, "v1_build_s": tv, "v1_ops": ov}
-            for N, tc, oc, tv, ov in rows])
+        write_json(
+            results,
+            args.json,
+            steps=n,
+            build_vs_n=[
+                {"N": N, "copies_build_s": tc, "copies_ops": oc, "v1_build_s": tv, "v1_ops": ov}
+                for N, tc, oc, tv, ov in rows
+            ],
+        )
         print(f"wrote {args.json}")
 
 

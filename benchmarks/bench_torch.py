@@ -28,8 +28,12 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, nargs="+", default=[1000, 10000])
     ap.add_argument("--size", default="seed", choices=("seed", "mlp", "wide"))
     ap.add_argument("--chunk", type=int, default=None, help="steps per compiled loop iteration")
-    ap.add_argument("--eager-steps", type=int, default=None,
-                    help="most steps per timed eager call (default: stepfuse.bench.torch.MAX_TIMED)")
+    ap.add_argument(
+        "--eager-steps",
+        type=int,
+        default=None,
+        help="most steps per timed eager call (default: stepfuse.bench.torch.MAX_TIMED)",
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
@@ -39,13 +43,28 @@ def main(argv=None):
     results = []
     for n in args.steps:
         builders, steps_for = bt.contenders(args.size, n, chunk=args.chunk)
-        results += measure(builders, n, backend="torch", problem=args.size,
-                           steps_for=steps_for, repeats=args.repeats)
+        results += measure(
+            builders,
+            n,
+            backend="torch",
+            problem=args.size,
+            steps_for=steps_for,
+            repeats=args.repeats,
+        )
     chunk = args.chunk or "default"
-    print_table(results, title=f"stepfuse.torch, {args.size} (chunk={chunk}, {torch.get_num_threads()} threads)")
+    print_table(
+        results,
+        title=f"stepfuse.torch, {args.size} (chunk={chunk}, {torch.get_num_threads()} threads)",
+    )
     if args.json:
-        write_json(results, args.json, command="python benchmarks/bench_torch.py", torch=torch.__version__,
-                   chunk=args.chunk, notes=bt.NOTES)
+        write_json(
+            results,
+            args.json,
+            command="python benchmarks/bench_torch.py",
+            torch=torch.__version__,
+            chunk=args.chunk,
+            notes=bt.NOTES,
+        )
 
 
 if __name__ == "__main__":

@@ -91,15 +91,21 @@ def rel(a, b):
 def check(size, opt_name, device, steps=(1000, 10000), chunk=None, eager_chunk=False):
     import stepfuse.torch as sf
 
-    name = f"{size}/{opt_name}" + (f"/chunk={chunk}" if chunk else "") + ("/eager-capture" if eager_chunk else "")
+    name = (
+        f"{size}/{opt_name}"
+        + (f"/chunk={chunk}" if chunk else "")
+        + ("/eager-capture" if eager_chunk else "")
+    )
     out = {"name": name, "failures": []}
     model, opt, x, y = build(size, opt_name, device)
     kw = {"chunk": chunk} if chunk else {}
     fit = sf.fuse(lambda a, b: F.cross_entropy(model(a), b), opt, steps=max(steps), **kw)
     patch = contextlib.nullcontext()
     if eager_chunk:
+
         def no_compile(self, fn, kind, inductor_options):
             raise RuntimeError("eager capture asked for")
+
         patch = mock.patch.object(sf.FusedFit, "_compile", no_compile)
     sync(device)
     t0 = time.perf_counter()
@@ -119,10 +125,16 @@ def check(size, opt_name, device, steps=(1000, 10000), chunk=None, eager_chunk=F
     ref_model, ref_opt, _, _ = build(size, opt_name, device)
     ref = eager_steps(ref_model, ref_opt, x, y, sum(CALLS))
     out["loss_rel_diff"] = rel(losses, ref)
-    out["param_rel_diff"] = max(rel(p.detach().cpu(), q.detach().cpu())
-                                for p, q in zip(model.parameters(), ref_model.parameters()))
-    states = [(opt.state[p], ref_opt.state[q]) for p, q in zip(model.parameters(), ref_model.parameters())]
-    out["state_rel_diff"] = max([rel(a[k].cpu(), b[k].cpu()) for a, b in states for k in b] or [0.0])
+    out["param_rel_diff"] = max(
+        rel(p.detach().cpu(), q.detach().cpu())
+        for p, q in zip(model.parameters(), ref_model.parameters())
+    )
+    states = [
+        (opt.state[p], ref_opt.state[q]) for p, q in zip(model.parameters(), ref_model.parameters())
+    ]
+    out["state_rel_diff"] = max(
+        [rel(a[k].cpu(), b[k].cpu()) for a, b in states for k in b] or [0.0]
+    )
     try:
         np.testing.assert_allclose(losses, ref, rtol=RTOL, atol=ATOL)
         for p, q in zip(model.parameters(), ref_model.parameters()):
@@ -131,12 +143,18 @@ def check(size, opt_name, device, steps=(1000, 10000), chunk=None, eager_chunk=F
             for k in b:
                 torch.testing.assert_close(a[k].cpu(), b[k].cpu(), rtol=RTOL, atol=ATOL)
     except AssertionError as e:
-        out["failures"].append(f"not equivalent to loss.backward(); opt.step(): {str(e).splitlines()[0]}")
+        out["failures"].append(
+            f"not equivalent to loss.backward(); opt.step(): {str(e).splitlines()[0]}"
+        )
     if fit.compiles != 1:
         out["failures"].append(f"{fit.compiles} compiles, expected 1")
     for n in steps:  # continuing the training
         out[f"fused_us_{n}"] = 1e6 * timed(lambda: fit(x, y, steps=n), device) / n
-    out["eager_us"] = 1e6 * timed(lambda: eager_steps(ref_model, ref_opt, x, y, EAGER_STEPS), device) / EAGER_STEPS
+    out["eager_us"] = (
+        1e6
+        * timed(lambda: eager_steps(ref_model, ref_opt, x, y, EAGER_STEPS), device)
+        / EAGER_STEPS
+    )
     out["ratio"] = out["eager_us"] / out[f"fused_us_{max(steps)}"]
     out["compiles"] = fit.compiles
     if fit.compiles != 1:
@@ -147,14 +165,24 @@ def check(size, opt_name, device, steps=(1000, 10000), chunk=None, eager_chunk=F
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="also write the summary here")
-    ap.add_argument("--require-cuda", action="store_true", help="exit 2 (not 0) when there is no CUDA")
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                    help="cpu: try this script on the CPU's compiled path (no GPU checks)")
-    ap.add_argument("--steps", type=int, nargs="+", default=[1000, 10000], help="N of the timed fused calls")
+    ap.add_argument(
+        "--require-cuda", action="store_true", help="exit 2 (not 0) when there is no CUDA"
+    )
+    ap.add_argument(
+        "--device",
+        default="cuda",
+        choices=("cuda", "cpu"),
+        help="cpu: try this script on the CPU's compiled path (no GPU checks)",
+    )
+    ap.add_argument(
+        "--steps", type=int, nargs="+", default=[1000, 10000], help="N of the timed fused calls"
+    )
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        msg = (f"no CUDA: torch {torch.__version__} sees no CUDA device "
-               f"(torch.version.cuda={torch.version.cuda}); the CUDA-graph checks were not run.")
+        msg = (
+            f"no CUDA: torch {torch.__version__} sees no CUDA device "
+            f"(torch.version.cuda={torch.version.cuda}); the CUDA-graph checks were not run."
+        )
         print(msg)
         summary = {"cuda": False, "message": msg, "ok": None}
         print(json.dumps(summary))
@@ -163,8 +191,12 @@ def main(argv=None) -> int:
                 json.dump(summary, f, indent=2)
         return 2 if args.require_cuda else 0
 
-    runs = [("seed", "sgd", {}), ("mlp", "sgd_momentum", {}), ("mlp", "adam", {}),
-            ("seed", "sgd", {"chunk": 8})]
+    runs = [
+        ("seed", "sgd", {}),
+        ("mlp", "sgd_momentum", {}),
+        ("mlp", "adam", {}),
+        ("seed", "sgd", {"chunk": 8}),
+    ]
     if args.device == "cuda":  # the eager capture exists on CUDA only
         runs += [("seed", "sgd", {"eager_chunk": True}), ("mlp", "adam", {"eager_chunk": True})]
     results = []
@@ -177,21 +209,33 @@ def main(argv=None) -> int:
         print(json.dumps(r), flush=True)
     seed = results[0]
     if args.device == "cuda" and seed.get("ratio", 0) < TARGET_RATIO:
-        seed["failures"].append(f"seed speed-up {seed.get('ratio', 0):.1f}x < target {TARGET_RATIO:.0f}x")
+        seed["failures"].append(
+            f"seed speed-up {seed.get('ratio', 0):.1f}x < target {TARGET_RATIO:.0f}x"
+        )
     n1, n2 = min(args.steps), max(args.steps)
-    print(f"\n{'check':28s} {'build s':>8s} {'N=' + str(n1):>9s} {'N=' + str(n2):>9s} {'eager':>8s} "
-          f"{'ratio':>7s}  loss/param/state rel diff   (us/step)")
+    print(
+        f"\n{'check':28s} {'build s':>8s} {'N=' + str(n1):>9s} {'N=' + str(n2):>9s} {'eager':>8s} "
+        f"{'ratio':>7s}  loss/param/state rel diff   (us/step)"
+    )
     for r in results:
         if "ratio" not in r:
             print(f"{r['name']:28s} FAILED: {'; '.join(r['failures'])}")
             continue
-        print(f"{r['name']:28s} {r['build_s']:8.1f} {r[f'fused_us_{n1}']:9.2f} {r[f'fused_us_{n2}']:9.2f} "
-              f"{r['eager_us']:8.1f} {r['ratio']:6.1f}x  {r['loss_rel_diff']:.1e} {r['param_rel_diff']:.1e} "
-              f"{r['state_rel_diff']:.1e}  {'OK' if not r['failures'] else 'FAILED: ' + '; '.join(r['failures'])}")
+        print(
+            f"{r['name']:28s} {r['build_s']:8.1f} {r[f'fused_us_{n1}']:9.2f} {r[f'fused_us_{n2}']:9.2f} "
+            f"{r['eager_us']:8.1f} {r['ratio']:6.1f}x  {r['loss_rel_diff']:.1e} {r['param_rel_diff']:.1e} "
+            f"{r['state_rel_diff']:.1e}  {'OK' if not r['failures'] else 'FAILED: ' + '; '.join(r['failures'])}"
+        )
     ok = all(not r["failures"] for r in results)
-    summary = {"cuda": args.device == "cuda", "torch": torch.__version__, "steps": args.steps,
-               "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-               "target_ratio": TARGET_RATIO, "ok": ok, "results": results}
+    summary = {
+        "cuda": args.device == "cuda",
+        "torch": torch.__version__,
+        "steps": args.steps,
+        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+        "target_ratio": TARGET_RATIO,
+        "ok": ok,
+        "results": results,
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)

@@ -58,15 +58,21 @@ def main(argv=None):
     s0 = opt.init(params)
 
     # the loops bench_jax.py times
-    loops = {name: run.lower(params, s0, 10).compile().as_text()
-             for name, run in fori_loops(*optax_steps(opt, batch)).items()}
+    loops = {
+        name: run.lower(params, s0, 10).compile().as_text()
+        for name, run in fori_loops(*optax_steps(opt, batch)).items()
+    }
     for name, tol in (("stepfuse", None), ("stepfuse (tol)", 1e-7)):
         fit = sf.fuse(mlp_loss, opt, steps=10, tol=tol)
         loops[name] = fit._compiled_text(fit.init(params), *batch)
     print(f"kernels per loop-body run, {args.size}, {args.optimizer} ({jax.default_backend()}):")
     for name, hlo in loops.items():
         counts = sorted((k for _, k in loop_bodies(hlo)), reverse=True)
-        outer = f"  (outer loop, once per chunk: {', '.join(map(str, counts[1:]))})" if len(counts) > 1 else ""
+        outer = (
+            f"  (outer loop, once per chunk: {', '.join(map(str, counts[1:]))})"
+            if len(counts) > 1
+            else ""
+        )
         print(f"  {name:28s} {counts[0]}{outer}")
 
 

@@ -44,12 +44,19 @@ def run_one(backend: str, n: int, k: int) -> bool:
     wall = time.perf_counter() - t0
     rss_after = peak_rss_mib()
     expected = -(-n // k)
-    ok = (len(trace.loss) == expected and trace.steps == n and trace.stop is Stop.STEPS
-          and bool(np.all(np.isfinite(trace.loss))) and list(trace.index[:2]) == [0, k])
-    print(f"{backend:6s} {n:,} steps in one call (record_every={k}): compile {compile_s:.2f} s, "
-          f"wall {wall:.3f} s = {wall / n * 1e6:.3f} us/step; peak RSS {rss_before:.1f} -> "
-          f"{rss_after:.1f} MiB (+{rss_after - rss_before:.1f}); trace points {len(trace.loss)} "
-          f"(expected {expected}), last loss {trace.loss[-1]:.6f}: {'OK' if ok else 'FAILED'}")
+    ok = (
+        len(trace.loss) == expected
+        and trace.steps == n
+        and trace.stop is Stop.STEPS
+        and bool(np.all(np.isfinite(trace.loss)))
+        and list(trace.index[:2]) == [0, k]
+    )
+    print(
+        f"{backend:6s} {n:,} steps in one call (record_every={k}): compile {compile_s:.2f} s, "
+        f"wall {wall:.3f} s = {wall / n * 1e6:.3f} us/step; peak RSS {rss_before:.1f} -> "
+        f"{rss_after:.1f} MiB (+{rss_after - rss_before:.1f}); trace points {len(trace.loss)} "
+        f"(expected {expected}), last loss {trace.loss[-1]:.6f}: {'OK' if ok else 'FAILED'}"
+    )
     return ok
 
 
@@ -66,8 +73,21 @@ def main(argv=None) -> int:
     from stepfuse.demo import available_backends
 
     backends = args.backends or [b for b in available_backends() if b in BACKENDS]
-    codes = [subprocess.call([sys.executable, __file__, "--one", b, "--steps", str(args.steps),
-                              "--record-every", str(args.record_every)]) for b in backends]
+    codes = [
+        subprocess.call(
+            [
+                sys.executable,
+                __file__,
+                "--one",
+                b,
+                "--steps",
+                str(args.steps),
+                "--record-every",
+                str(args.record_every),
+            ]
+        )
+        for b in backends
+    ]
     return max(codes, default=0)
 
 

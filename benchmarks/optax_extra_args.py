@@ -35,10 +35,15 @@ from stepfuse.problems import blobs, mlp_init
 OPTIMIZERS = {
     "lbfgs": (lambda: optax.lbfgs(), ("value", "grad", "value_fn")),
     "sgd + backtracking line search": (
-        lambda: optax.chain(optax.sgd(1.0), optax.scale_by_backtracking_linesearch(max_backtracking_steps=15)),
-        ("value", "grad", "value_fn")),
+        lambda: optax.chain(
+            optax.sgd(1.0), optax.scale_by_backtracking_linesearch(max_backtracking_steps=15)
+        ),
+        ("value", "grad", "value_fn"),
+    ),
     "adam + reduce_on_plateau": (
-        lambda: optax.chain(optax.adam(0.02), optax.contrib.reduce_on_plateau(patience=5)), ("value",)),
+        lambda: optax.chain(optax.adam(0.02), optax.contrib.reduce_on_plateau(patience=5)),
+        ("value",),
+    ),
 }
 
 
@@ -72,7 +77,9 @@ def main(argv=None):
     x, y = blobs(1024, features=2, classes=2, spread=3.0)
     batch = (jnp.asarray(x), jnp.asarray(y))
     params = jax.tree_util.tree_map(jnp.asarray, mlp_init((2, 16, 2)))
-    print(f"tanh MLP 2-16-2 on 1,024 overlapping points, N={n} updates a call ({jax.default_backend()})")
+    print(
+        f"tanh MLP 2-16-2 on 1,024 overlapping points, N={n} updates a call ({jax.default_backend()})"
+    )
     for name, (make, extra) in OPTIMIZERS.items():
         fit = sf.fuse(mlp_loss, make(), steps=n)
         state = fit.init(params)
@@ -83,9 +90,11 @@ def main(argv=None):
         np.testing.assert_allclose(a[-1], b[-1], rtol=1e-5, err_msg=f"{name}: final losses differ")
         best = interleaved_best({"stepfuse": fused, "jit per step": lambda: loop(n)}, args.rounds)
         us = {k: v / n * 1e6 for k, v in best.items()}
-        print(f"  {name:32s} stepfuse {us['stepfuse']:9.1f} us/update   jit per step "
-              f"{us['jit per step']:9.1f}   ratio {us['jit per step'] / us['stepfuse']:5.1f}x   "
-              f"(final loss {float(a[-1]):.3g})")
+        print(
+            f"  {name:32s} stepfuse {us['stepfuse']:9.1f} us/update   jit per step "
+            f"{us['jit per step']:9.1f}   ratio {us['jit per step'] / us['stepfuse']:5.1f}x   "
+            f"(final loss {float(a[-1]):.3g})"
+        )
 
 
 if __name__ == "__main__":

@@ -27,25 +27,41 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100_000)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--instances", type=int, default=9,
-                    help="fits built per variant (one compiled program each: on a VM, two "
-                         "identical ones can differ by ~10%%, so the report takes the median "
-                         "over instances of each one's best time; with five or fewer, runs "
-                         "swing by several percent)")
-    ap.add_argument("--backends", nargs="+", default=[b for b in available_backends() if b in BACKENDS])
-    ap.add_argument("--variants", nargs="+", default=["plain", "callback", "progress"],
-                    choices=["plain", "callback", "progress"],
-                    help="what to time (plain is always timed: the others are against it)")
+    ap.add_argument(
+        "--instances",
+        type=int,
+        default=9,
+        help="fits built per variant (one compiled program each: on a VM, two "
+        "identical ones can differ by ~10%%, so the report takes the median "
+        "over instances of each one's best time; with five or fewer, runs "
+        "swing by several percent)",
+    )
+    ap.add_argument(
+        "--backends", nargs="+", default=[b for b in available_backends() if b in BACKENDS]
+    )
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["plain", "callback", "progress"],
+        choices=["plain", "callback", "progress"],
+        help="what to time (plain is always timed: the others are against it)",
+    )
     args = ap.parse_args(argv)
     import contextlib
     import statistics
 
-    variants = {"plain": {}, "callback": {"callback": lambda step, loss: None, "every": 1000},
-                "progress": {"progress": True, "every": 1000}}
+    variants = {
+        "plain": {},
+        "callback": {"callback": lambda step, loss: None, "every": 1000},
+        "progress": {"progress": True, "every": 1000},
+    }
     variants = {name: v for name, v in variants.items() if name == "plain" or name in args.variants}
     for backend in args.backends:
-        runs = [(name, seed_fit(backend, args.steps, **options))
-                for _ in range(args.instances) for name, options in variants.items()]
+        runs = [
+            (name, seed_fit(backend, args.steps, **options))
+            for _ in range(args.instances)
+            for name, options in variants.items()
+        ]
         cpu = [float("inf")] * len(runs)
         wall = list(cpu)
         with contextlib.redirect_stdout(io.StringIO()):  # keep the bars off the report
@@ -58,12 +74,18 @@ def main(argv=None):
                     cpu[k] = min(cpu[k], time.process_time() - t0)
                     wall[k] = min(wall[k], time.perf_counter() - w0)
         for label, best in (("wall", wall), ("cpu", cpu)):
-            us = {name: 1e6 * statistics.median(b for (n, _), b in zip(runs, best) if n == name) / args.steps
-                  for name in variants}
+            us = {
+                name: 1e6
+                * statistics.median(b for (n, _), b in zip(runs, best) if n == name)
+                / args.steps
+                for name in variants
+            }
             line = f"{backend} ({label} time): {args.steps} steps, plain {us['plain']:.3f} us/step"
             if "progress" in us:
-                line += (f", progress(every=1000) {us['progress']:.3f} us/step, "
-                         f"slowdown {100 * (us['progress'] / us['plain'] - 1):+.1f}%")
+                line += (
+                    f", progress(every=1000) {us['progress']:.3f} us/step, "
+                    f"slowdown {100 * (us['progress'] / us['plain'] - 1):+.1f}%"
+                )
             if "callback" in us:
                 line += f" (no-op callback: {100 * (us['callback'] / us['plain'] - 1):+.1f}%)"
             print(line)

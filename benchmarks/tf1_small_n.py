@@ -38,6 +38,7 @@ def floor_builder(size):
     def build():
         sess, const, feed, _ = bench_tf1.graph(layers, xn, yn, lambda f: tf.constant(0.0))
         return lambda m: [sess.run(const, feed) for _ in range(m)]
+
     return build
 
 
@@ -60,7 +61,10 @@ def main(argv=None):
                 for _ in range(10):
                     run(1 if name == FLOOR else n)
                 runs[(name, i)] = run
-        calls = {key: (lambda run=run, m=1 if key[0] == FLOOR else n: run(m)) for key, run in runs.items()}
+        calls = {
+            key: (lambda run=run, m=1 if key[0] == FLOOR else n: run(m))
+            for key, run in runs.items()
+        }
         best = interleaved_best(calls, args.rounds, per_sample=args.runs)
         med = {}
         print(f"\n{args.size}, N = {n}: us per sess.run (best round of each instance; median)")
@@ -70,8 +74,10 @@ def main(argv=None):
             print(f"  {name:24s} {' '.join(f'{t:8.1f}' for t in mins)}   median {med[name]:8.1f}")
         ratio = med["stepfuse"] / med["N copies (seed answer)"]
         above = [med[k] - med[FLOOR] for k in TIMED]
-        print(f"  stepfuse / N copies: {ratio:.3f}x; above the constant fetch: "
-              f"stepfuse {above[0]:.1f} us, N copies {above[1]:.1f} us")
+        print(
+            f"  stepfuse / N copies: {ratio:.3f}x; above the constant fetch: "
+            f"stepfuse {above[0]:.1f} us, N copies {above[1]:.1f} us"
+        )
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ import optax
 import pytest
 
 import stepfuse.jax as sf
-from stepfuse.jax import _inputs_reaching_output
 from stepfuse import Stop
+from stepfuse.jax import _inputs_reaching_output
 from stepfuse.problems import blobs, perceptron_init
 
 X, Y = blobs()
@@ -52,8 +52,9 @@ def _optimizers_of_other_frameworks():
     try:
         import torch
 
-        cases.append(("torch.optim.SGD",
-                      torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1)))
+        cases.append(
+            ("torch.optim.SGD", torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1))
+        )
     except ImportError:  # pragma: no cover - torch is optional
         pass
 
@@ -67,32 +68,64 @@ def _optimizers_of_other_frameworks():
         def init(self, params):
             return ()
 
-    cases += [("keras_like", KerasLikeOptimizer()), ("init_only", NotOptax()),
-              ("uncalled_optax_factory", optax.adam), ("string", "adam"), ("none", None)]
+    cases += [
+        ("keras_like", KerasLikeOptimizer()),
+        ("init_only", NotOptax()),
+        ("uncalled_optax_factory", optax.adam),
+        ("string", "adam"),
+        ("none", None),
+    ]
     return cases
 
 
 # (id, action, exception(s), regex the message must match)
 CASES = [
     # -- steps, at build time and at call time
-    *[(f"steps={v!r}", (lambda v=v: build(steps=v)), (TypeError, ValueError), "`steps`")
-      for v in (0, -1, 2.5, "3", True, None)],
-    *[(f"call steps={v!r}", (lambda v=v: call(steps=v)), (TypeError, ValueError), "`steps`")
-      for v in (0, -2, 1.5, "2", True)],
-    ("call steps above the built steps", lambda: call(steps=4), ValueError,
-     r"`steps`.*at most 3.*fuse\(\.\.\., steps=4\)"),
-    ("call steps above the built steps, stepwise", lambda: call(sf.fuse(perceptron_loss, optax.sgd(0.1), steps=3,
-                                                                      mode="stepwise"), steps=4),
-     ValueError, r"`steps`.*at most 3"),
+    *[
+        (f"steps={v!r}", (lambda v=v: build(steps=v)), (TypeError, ValueError), "`steps`")
+        for v in (0, -1, 2.5, "3", True, None)
+    ],
+    *[
+        (f"call steps={v!r}", (lambda v=v: call(steps=v)), (TypeError, ValueError), "`steps`")
+        for v in (0, -2, 1.5, "2", True)
+    ],
+    (
+        "call steps above the built steps",
+        lambda: call(steps=4),
+        ValueError,
+        r"`steps`.*at most 3.*fuse\(\.\.\., steps=4\)",
+    ),
+    (
+        "call steps above the built steps, stepwise",
+        lambda: call(sf.fuse(perceptron_loss, optax.sgd(0.1), steps=3, mode="stepwise"), steps=4),
+        ValueError,
+        r"`steps`.*at most 3",
+    ),
     # -- tol
-    *[(f"tol={v!r}", (lambda v=v: build(tol=v)), (TypeError, ValueError), "`tol`")
-      for v in (-1.0, float("nan"), "1e-3", True, [1e-3])],
+    *[
+        (f"tol={v!r}", (lambda v=v: build(tol=v)), (TypeError, ValueError), "`tol`")
+        for v in (-1.0, float("nan"), "1e-3", True, [1e-3])
+    ],
     # -- record_every
-    *[(f"record_every={v!r}", (lambda v=v: build(record_every=v)), (TypeError, ValueError),
-       "`record_every`") for v in (0, -3, 1.5, None, "2")],
+    *[
+        (
+            f"record_every={v!r}",
+            (lambda v=v: build(record_every=v)),
+            (TypeError, ValueError),
+            "`record_every`",
+        )
+        for v in (0, -3, 1.5, None, "2")
+    ],
     # -- callback / every / progress / on_nonfinite / mode / flags
-    *[(f"every={v!r}", (lambda v=v: build(every=v, callback=print)), (TypeError, ValueError), "`every`")
-      for v in (0, -1, 2.5, "10")],
+    *[
+        (
+            f"every={v!r}",
+            (lambda v=v: build(every=v, callback=print)),
+            (TypeError, ValueError),
+            "`every`",
+        )
+        for v in (0, -1, 2.5, "10")
+    ],
     ("every without callback", lambda: build(every=10), ValueError, "`every`.*`callback`"),
     ("callback not callable", lambda: build(callback=3), TypeError, "`callback`"),
     ("progress not bool", lambda: build(progress="yes"), TypeError, "`progress`"),
@@ -101,58 +134,141 @@ CASES = [
     ("has_aux not bool", lambda: build(has_aux=1), TypeError, "`has_aux`"),
     ("differentiable not bool", lambda: build(differentiable="no"), TypeError, "`differentiable`"),
     # -- loss_fn
-    ("loss_fn not callable", lambda: sf.fuse("loss", optax.sgd(0.1), steps=3), TypeError, "`loss_fn`"),
-    ("loss not scalar", build_with_loss(lambda p, x, y: x @ p["kernel"]), TypeError,
-     r"`loss_fn`.*scalar.*shape \(50, 2\)"),
+    (
+        "loss_fn not callable",
+        lambda: sf.fuse("loss", optax.sgd(0.1), steps=3),
+        TypeError,
+        "`loss_fn`",
+    ),
+    (
+        "loss not scalar",
+        build_with_loss(lambda p, x, y: x @ p["kernel"]),
+        TypeError,
+        r"`loss_fn`.*scalar.*shape \(50, 2\)",
+    ),
     ("loss integer", build_with_loss(lambda p, x, y: jnp.sum(y)), TypeError, "`loss_fn`.*int32"),
-    ("loss bool", build_with_loss(lambda p, x, y: perceptron_loss(p, x, y) > 0), TypeError,
-     "`loss_fn`.*bool"),
-    ("loss complex", build_with_loss(lambda p, x, y: perceptron_loss(p, x, y) * 1j), TypeError,
-     "`loss_fn`.*complex"),
-    ("loss tuple without has_aux", build_with_loss(lambda p, x, y: (perceptron_loss(p, x, y), 1)),
-     TypeError, "`loss_fn`.*floating-point scalar"),
-    ("has_aux but loss not a pair", build_with_loss(perceptron_loss, has_aux=True), TypeError,
-     r"`loss_fn`.*\(loss, aux\)"),
-    ("loss_fn signature does not take the batch", lambda: call(batch=(X,)), TypeError,
-     "missing 1 required positional argument: 'y'"),
+    (
+        "loss bool",
+        build_with_loss(lambda p, x, y: perceptron_loss(p, x, y) > 0),
+        TypeError,
+        "`loss_fn`.*bool",
+    ),
+    (
+        "loss complex",
+        build_with_loss(lambda p, x, y: perceptron_loss(p, x, y) * 1j),
+        TypeError,
+        "`loss_fn`.*complex",
+    ),
+    (
+        "loss tuple without has_aux",
+        build_with_loss(lambda p, x, y: (perceptron_loss(p, x, y), 1)),
+        TypeError,
+        "`loss_fn`.*floating-point scalar",
+    ),
+    (
+        "has_aux but loss not a pair",
+        build_with_loss(perceptron_loss, has_aux=True),
+        TypeError,
+        r"`loss_fn`.*\(loss, aux\)",
+    ),
+    (
+        "loss_fn signature does not take the batch",
+        lambda: call(batch=(X,)),
+        TypeError,
+        "missing 1 required positional argument: 'y'",
+    ),
     # -- batch shapes that do not fit: JAX's own message, naming the shapes
-    ("batch features do not fit the kernel", lambda: call(batch=(np.ones((50, 3), np.float32), Y)),
-     TypeError, r"dot_general.*\(3,\) and \(2,\)"),
-    ("batch x and y lengths differ", lambda: call(batch=(X, Y[:10])), ValueError,
-     r"shapes.*\(10, 1\).*\(50, 1\)"),
+    (
+        "batch features do not fit the kernel",
+        lambda: call(batch=(np.ones((50, 3), np.float32), Y)),
+        TypeError,
+        r"dot_general.*\(3,\) and \(2,\)",
+    ),
+    (
+        "batch x and y lengths differ",
+        lambda: call(batch=(X, Y[:10])),
+        ValueError,
+        r"shapes.*\(10, 1\).*\(50, 1\)",
+    ),
     # -- optimizer of another framework / not an optax GradientTransformation
-    *[(f"optimizer {name}", (lambda o=opt: sf.fuse(perceptron_loss, o, steps=3)), TypeError,
-       "`optimizer` must be an optax.GradientTransformation")
-      for name, opt in _optimizers_of_other_frameworks()],
+    *[
+        (
+            f"optimizer {name}",
+            (lambda o=opt: sf.fuse(perceptron_loss, o, steps=3)),
+            TypeError,
+            "`optimizer` must be an optax.GradientTransformation",
+        )
+        for name, opt in _optimizers_of_other_frameworks()
+    ],
     # -- params
-    ("params of integer dtype", lambda: build().init({"kernel": jnp.ones((2, 2), jnp.int32),
-                                                       "bias": jnp.zeros(2)}),
-     TypeError, r"`params`.*int32.*\['kernel'\]"),
-    ("params of bool dtype", lambda: build().init({"kernel": np.ones((2, 2), bool), "bias": jnp.zeros(2)}),
-     TypeError, r"`params`.*bool"),
+    (
+        "params of integer dtype",
+        lambda: build().init({"kernel": jnp.ones((2, 2), jnp.int32), "bias": jnp.zeros(2)}),
+        TypeError,
+        r"`params`.*int32.*\['kernel'\]",
+    ),
+    (
+        "params of bool dtype",
+        lambda: build().init({"kernel": np.ones((2, 2), bool), "bias": jnp.zeros(2)}),
+        TypeError,
+        r"`params`.*bool",
+    ),
     ("params python ints", lambda: build().init([1, 2]), TypeError, r"`params`.*int.*params\[0\]"),
     ("params empty", lambda: build().init({}), ValueError, "`params`.*at least one"),
     ("params None", lambda: build().init(None), ValueError, "`params`"),
-    ("state not a FitState", lambda: build()(perceptron_init(), X, Y), TypeError, "`state`.*fit.init"),
+    (
+        "state not a FitState",
+        lambda: build()(perceptron_init(), X, Y),
+        TypeError,
+        "`state`.*fit.init",
+    ),
     # -- a state of another optimizer or model: it would have run (sgd ignores adam's state)
-    *[(f"state of another optimizer, {mode}",
-       (lambda mode=mode: build(mode=mode)(sf.fuse(perceptron_loss, optax.adam(0.1), steps=3)
-                                           .init(perceptron_init()), X, Y)),
-       TypeError, r"`state.opt_state` is not a state of this fit's optimizer.*ScaleByAdamState.*fit.init")
-      for mode in ("fused", "stepwise")],
-    ("state whose params changed shape",
-     lambda: (lambda fit: fit(fit.init(perceptron_init())._replace(params={
-         "kernel": jnp.ones((3, 2)), "bias": jnp.zeros(2)}), np.ones((50, 3), np.float32), Y))(
-         sf.fuse(perceptron_loss, optax.sgd(0.1, momentum=0.9), steps=3)),
-     ValueError, r"`state.opt_state\[0\].trace\['kernel'\]` has shape \(2, 2\).*\(3, 2\)"),
+    *[
+        (
+            f"state of another optimizer, {mode}",
+            (
+                lambda mode=mode: build(mode=mode)(
+                    sf.fuse(perceptron_loss, optax.adam(0.1), steps=3).init(perceptron_init()), X, Y
+                )
+            ),
+            TypeError,
+            r"`state.opt_state` is not a state of this fit's optimizer.*ScaleByAdamState.*fit.init",
+        )
+        for mode in ("fused", "stepwise")
+    ],
+    (
+        "state whose params changed shape",
+        lambda: (
+            lambda fit: fit(
+                fit.init(perceptron_init())._replace(
+                    params={"kernel": jnp.ones((3, 2)), "bias": jnp.zeros(2)}
+                ),
+                np.ones((50, 3), np.float32),
+                Y,
+            )
+        )(sf.fuse(perceptron_loss, optax.sgd(0.1, momentum=0.9), steps=3)),
+        ValueError,
+        r"`state.opt_state\[0\].trace\['kernel'\]` has shape \(2, 2\).*\(3, 2\)",
+    ),
     # -- callbacks that raise: their own error reaches the caller
-    ("callback raises", lambda: call(build(callback=raising_callback, every=2)), RuntimeError,
-     "callback failed at step 2"),
-    ("callback with a wrong signature", lambda: call(build(callback=lambda: None, every=1)),
-     TypeError, "positional argument"),
-    ("stepwise callback raises",
-     lambda: call(build(callback=raising_callback, every=2, mode="stepwise")),
-     RuntimeError, "callback failed at step 2"),
+    (
+        "callback raises",
+        lambda: call(build(callback=raising_callback, every=2)),
+        RuntimeError,
+        "callback failed at step 2",
+    ),
+    (
+        "callback with a wrong signature",
+        lambda: call(build(callback=lambda: None, every=1)),
+        TypeError,
+        "positional argument",
+    ),
+    (
+        "stepwise callback raises",
+        lambda: call(build(callback=raising_callback, every=2, mode="stepwise")),
+        RuntimeError,
+        "callback failed at step 2",
+    ),
 ]
 
 
@@ -173,8 +289,11 @@ def test_failed_calls_leave_the_state_untouched_and_the_fit_usable():
     fit = sf.fuse(perceptron_loss, optax.adam(0.1), steps=4, callback=raising_callback, every=2)
     state = fit.init(perceptron_init())
     snapshot = jax.tree_util.tree_map(np.array, state)
-    for bad in [lambda: fit(state, X, Y), lambda: fit(state, X, Y, steps=9),
-                lambda: fit(state, np.ones((50, 3), np.float32), Y)]:
+    for bad in [
+        lambda: fit(state, X, Y),
+        lambda: fit(state, X, Y, steps=9),
+        lambda: fit(state, np.ones((50, 3), np.float32), Y),
+    ]:
         with pytest.raises((RuntimeError, TypeError, ValueError)):
             bad()
         for u, v in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(snapshot)):
@@ -186,15 +305,18 @@ def test_failed_calls_leave_the_state_untouched_and_the_fit_usable():
 
 # -- a loss that does not depend on params ---------------------------------------------------
 
+
 def constant_in_params(p, x, y):
-    return jnp.mean(x ** 2)
+    return jnp.mean(x**2)
 
 
 def detached(p, x, y):
-    return jnp.mean(x ** 2) + jnp.sum(jax.lax.stop_gradient(p["kernel"]))
+    return jnp.mean(x**2) + jnp.sum(jax.lax.stop_gradient(p["kernel"]))
 
 
-@pytest.mark.parametrize("loss_fn", [constant_in_params, detached], ids=["constant", "stop_gradient"])
+@pytest.mark.parametrize(
+    "loss_fn", [constant_in_params, detached], ids=["constant", "stop_gradient"]
+)
 @pytest.mark.parametrize("mode", ["fused", "stepwise"])
 def test_loss_not_depending_on_params_is_refused_before_running(loss_fn, mode):
     fit = sf.fuse(loss_fn, optax.adam(0.1), steps=5, mode=mode)
@@ -209,25 +331,38 @@ def params_used(loss_fn, params, *batch):
     return _inputs_reaching_output(closed.jaxpr)[:n]
 
 
-@pytest.mark.parametrize("loss_fn, want", [
-    (perceptron_loss, [True, True]),               # leaves in key order: bias, kernel
-    (constant_in_params, [False, False]),
-    (detached, [False, False]),
-    (lambda p, x, y: perceptron_loss({"kernel": p["kernel"], "bias": jnp.zeros(2)}, x, y), [False, True]),
-    (jax.jit(perceptron_loss), [True, True]),       # through a pjit equation
-    (lambda p, x, y: jax.lax.cond(x.sum() > 0, lambda: p["kernel"].sum(), lambda: 0.0), [False, True]),
-], ids=["uses_all", "constant", "stop_gradient", "bias_unused", "jitted", "cond"])
+@pytest.mark.parametrize(
+    "loss_fn, want",
+    [
+        (perceptron_loss, [True, True]),  # leaves in key order: bias, kernel
+        (constant_in_params, [False, False]),
+        (detached, [False, False]),
+        (
+            lambda p, x, y: perceptron_loss({"kernel": p["kernel"], "bias": jnp.zeros(2)}, x, y),
+            [False, True],
+        ),
+        (jax.jit(perceptron_loss), [True, True]),  # through a pjit equation
+        (
+            lambda p, x, y: jax.lax.cond(x.sum() > 0, lambda: p["kernel"].sum(), lambda: 0.0),
+            [False, True],
+        ),
+    ],
+    ids=["uses_all", "constant", "stop_gradient", "bias_unused", "jitted", "cond"],
+)
 def test_a_loss_without_params_can_be_detected_from_its_jaxpr(loss_fn, want):
-    assert params_used(loss_fn, jax.tree_util.tree_map(jnp.asarray, perceptron_init()), X, Y) == want
+    assert (
+        params_used(loss_fn, jax.tree_util.tree_map(jnp.asarray, perceptron_init()), X, Y) == want
+    )
 
 
 @pytest.mark.parametrize("mistake", ["bool", "int", "numpy"])
 def test_python_control_flow_on_traced_values_names_the_loss_and_jaxs_reason(mistake):
     """JAX's own tracer errors take a tracer to build: re-raised as their type, with a new
     message, they became "'str' object has no attribute '_error_repr'"."""
+
     def loss(w, x):
         if mistake == "bool" and w.sum() > 0:
-            return jnp.sum(w ** 2)
+            return jnp.sum(w**2)
         if mistake == "int":
             return jnp.sum(w ** int(x[0]))
         if mistake == "numpy":

@@ -42,7 +42,10 @@ class World:
 
     def __init__(self):
         p = perceptron_init()
-        self.k, self.b = tf.Variable(p["kernel"], name="kernel"), tf.Variable(p["bias"], name="bias")
+        self.k, self.b = (
+            tf.Variable(p["kernel"], name="kernel"),
+            tf.Variable(p["bias"], name="bias"),
+        )
         self.vars = [self.k, self.b]
         self.opt = keras.optimizers.SGD(0.1, momentum=0.9)
         self.before = [v.numpy().copy() for v in self.vars]
@@ -52,8 +55,12 @@ class World:
 
     def fit(self, loss=None, variables=None, optimizer="default", **kw):
         kw.setdefault("steps", 3)
-        return sf.fuse(loss or self.loss, self.opt if optimizer == "default" else optimizer,
-                       self.vars if variables is None else variables, **kw)
+        return sf.fuse(
+            loss or self.loss,
+            self.opt if optimizer == "default" else optimizer,
+            self.vars if variables is None else variables,
+            **kw,
+        )
 
     def unchanged(self):
         for v, b in zip(self.vars, self.before):
@@ -75,7 +82,9 @@ def _other_framework_optimizers():
     try:
         import torch
 
-        cases.append(("torch.optim.SGD", torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1)))
+        cases.append(
+            ("torch.optim.SGD", torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1))
+        )
     except ImportError:  # pragma: no cover
         pass
 
@@ -86,21 +95,27 @@ def _other_framework_optimizers():
         def update(self, grads, state, params=None):
             return grads, state
 
-    return cases + [("optax-like dummy", OptaxLike()),
-                    ("tf1 GradientDescent", tf1.train.GradientDescentOptimizer(0.1)),
-                    ("string", "sgd"), ("none", None)]
+    return cases + [
+        ("optax-like dummy", OptaxLike()),
+        ("tf1 GradientDescent", tf1.train.GradientDescentOptimizer(0.1)),
+        ("string", "sgd"),
+        ("none", None),
+    ]
 
 
 def _loss(case):
     def f(w: World):
         return {
-            "vector": lambda x, y: tf.nn.sparse_softmax_cross_entropy_with_logits(y, tf.matmul(x, w.k) + w.b),
+            "vector": lambda x, y: tf.nn.sparse_softmax_cross_entropy_with_logits(
+                y, tf.matmul(x, w.k) + w.b
+            ),
             "integer": lambda x, y: tf.cast(w.loss(x, y) * 100, tf.int32),
             "string": lambda x, y: "loss",
             "none": lambda x, y: None,
             "bias_unused": lambda x, y: ce(y, tf.matmul(x, w.k)),
             "numpy_read": lambda x, y: ce(y, tf.matmul(x, w.k.numpy()) + w.b),
         }[case]
+
     return f
 
 
@@ -111,10 +126,16 @@ def _call(w, build_kw=None, batch=(X, Y), **call_kw):
 
 # (id, action(world), regex the message must match)
 TF2_CASES = [
-    *[(f"steps={v!r}", lambda w, v=v: w.fit(steps=v), "`steps`") for v in (0, -1, 1.5, True, "3", None)],
+    *[
+        (f"steps={v!r}", lambda w, v=v: w.fit(steps=v), "`steps`")
+        for v in (0, -1, 1.5, True, "3", None)
+    ],
     *[(f"call steps={v!r}", lambda w, v=v: _call(w, steps=v), "`steps`") for v in (0, 2.0, "2")],
     *[(f"tol={v!r}", lambda w, v=v: w.fit(tol=v), "`tol`") for v in (-1.0, math.nan, "1e-3", True)],
-    *[(f"record_every={v!r}", lambda w, v=v: w.fit(record_every=v), "`record_every`") for v in (0, 2.5, None)],
+    *[
+        (f"record_every={v!r}", lambda w, v=v: w.fit(record_every=v), "`record_every`")
+        for v in (0, 2.5, None)
+    ],
     ("every=0", lambda w: w.fit(every=0, callback=print), "`every`"),
     ("every without callback", lambda w: w.fit(every=5), "`every`"),
     ("callback not callable", lambda w: w.fit(callback="print"), "`callback`"),
@@ -123,26 +144,50 @@ TF2_CASES = [
     ("mode='eager'", lambda w: w.fit(mode="eager"), "`mode`"),
     ("jit_compile='yes'", lambda w: w.fit(jit_compile="yes"), "`jit_compile`"),
     ("loss_fn not callable", lambda w: w.fit(loss=3.0), "`loss_fn`"),
-    *[(f"loss {c} ({m})", lambda w, c=c, m=m: _call(w, {"loss": _loss(c)(w), "mode": m}), "`loss_fn`")
-      for c in ("vector", "integer", "string", "none", "bias_unused", "numpy_read")
-      for m in ("fused", "stepwise")],
-    *[(f"batch {c} ({m})", lambda w, b=b, m=m: _call(w, {"mode": m}, batch=b), "`batch`")
-      for c, b in (("x has 1 feature", (X[:, :1], Y)), ("float labels", (X, Y.astype(np.float32))),
-                   ("missing y", (X,)), ("extra argument", (X, Y, Y)))
-      for m in ("fused", "stepwise")],
-    *[(f"optimizer {name}", lambda w, o=o: w.fit(optimizer=o), "`optimizer`")
-      for name, o in _other_framework_optimizers()],
-    ("optimizer LossScaleOptimizer",
-     lambda w: w.fit(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))),
-     "`optimizer`.*LossScaleOptimizer"),
+    *[
+        (
+            f"loss {c} ({m})",
+            lambda w, c=c, m=m: _call(w, {"loss": _loss(c)(w), "mode": m}),
+            "`loss_fn`",
+        )
+        for c in ("vector", "integer", "string", "none", "bias_unused", "numpy_read")
+        for m in ("fused", "stepwise")
+    ],
+    *[
+        (f"batch {c} ({m})", lambda w, b=b, m=m: _call(w, {"mode": m}, batch=b), "`batch`")
+        for c, b in (
+            ("x has 1 feature", (X[:, :1], Y)),
+            ("float labels", (X, Y.astype(np.float32))),
+            ("missing y", (X,)),
+            ("extra argument", (X, Y, Y)),
+        )
+        for m in ("fused", "stepwise")
+    ],
+    *[
+        (f"optimizer {name}", lambda w, o=o: w.fit(optimizer=o), "`optimizer`")
+        for name, o in _other_framework_optimizers()
+    ],
+    (
+        "optimizer LossScaleOptimizer",
+        lambda w: w.fit(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))),
+        "`optimizer`.*LossScaleOptimizer",
+    ),
     ("variables empty", lambda w: w.fit(variables=[]), "`variables`"),
-    ("variables not trainable", lambda w: w.fit(variables=[tf.Variable([1.0], trainable=False)]), "`variables`"),
+    (
+        "variables not trainable",
+        lambda w: w.fit(variables=[tf.Variable([1.0], trainable=False)]),
+        "`variables`",
+    ),
     ("variables int32", lambda w: w.fit(variables=[tf.Variable([1, 2])]), "`variables`"),
     ("variables float tensor", lambda w: w.fit(variables=[tf.constant([1.0])]), "`variables`"),
     ("variables numpy", lambda w: w.fit(variables=np.ones(2, np.float32)), "`variables`"),
     ("variables None", lambda w: w.fit(variables=None or "kernel"), "`variables`"),
     ("variables duplicated", lambda w: w.fit(variables=[w.k, w.k]), "`variables`"),
-    ("variables unbuilt model", lambda w: w.fit(variables=keras.Sequential([keras.layers.Dense(2)])), "`variables`"),
+    (
+        "variables unbuilt model",
+        lambda w: w.fit(variables=keras.Sequential([keras.layers.Dense(2)])),
+        "`variables`",
+    ),
 ]
 
 
@@ -176,8 +221,11 @@ def test_tf1_reference_variables_are_refused_with_the_fix():
             b = tf1.get_variable("bias", initializer=P["bias"], use_resource=False)
             return ce(y, tf.matmul(x, k) + b)
 
-        with pytest.raises(TypeError, match=r"`var_list`.*got None \(NoneType\).*"
-                                            r"reference variable.*enable_resource_variables"):
+        with pytest.raises(
+            TypeError,
+            match=r"`var_list`.*got None \(NoneType\).*"
+            r"reference variable.*enable_resource_variables",
+        ):
             v1.fuse(loss, tf1.train.GradientDescentOptimizer(0.1), steps=3)
 
 
@@ -270,36 +318,60 @@ def _v1(case):
         if kind in ("steps", "tol", "record_every", "mode", "jit_compile", "on_nonfinite", "chunk"):
             kw[kind] = eval(value)  # noqa: S307 - literals of this table only
         elif kind == "steps_tensor":
-            kw["steps"] = {"float": tf1.placeholder(tf.float32, []),
-                           "vector": tf1.placeholder(tf.int32, [2])}[value]
+            kw["steps"] = {
+                "float": tf1.placeholder(tf.float32, []),
+                "vector": tf1.placeholder(tf.int32, [2]),
+            }[value]
         elif kind == "optimizer":
-            opt = dict(_other_framework_optimizers() + [("keras SGD", keras.optimizers.SGD(0.1))])[value]
+            opt = dict(_other_framework_optimizers() + [("keras SGD", keras.optimizers.SGD(0.1))])[
+                value
+            ]
         elif kind == "loss":
-            loss = {"not callable": 3.0,
-                    "vector": lambda: tf.nn.sparse_softmax_cross_entropy_with_logits(y, tf.matmul(x, k()) + b()),
-                    "integer": lambda: tf.cast(ce(y, tf.matmul(x, k()) + b()) * 100, tf.int32),
-                    "none": lambda: None,
-                    "bias_unused": lambda: ce(y, tf.matmul(x, k())) + 0 * tf.reduce_sum(tf.stop_gradient(b()))}[value]
+            loss = {
+                "not callable": 3.0,
+                "vector": lambda: tf.nn.sparse_softmax_cross_entropy_with_logits(
+                    y, tf.matmul(x, k()) + b()
+                ),
+                "integer": lambda: tf.cast(ce(y, tf.matmul(x, k()) + b()) * 100, tf.int32),
+                "none": lambda: None,
+                "bias_unused": lambda: (
+                    ce(y, tf.matmul(x, k())) + 0 * tf.reduce_sum(tf.stop_gradient(b()))
+                ),
+            }[value]
             if value == "bias_unused":  # asked for by name: without a gradient it is refused
                 kw["var_list"] = [k(), b()]
         elif kind == "var_list":
-            kw["var_list"] = {"empty": lambda: [], "string": lambda: "kernel",
-                              "int": lambda: [tf1.get_variable("i", initializer=tf.constant([1]), dtype=tf.int32)],
-                              "tensor": lambda: [tf.constant([1.0])]}[value]()
+            kw["var_list"] = {
+                "empty": lambda: [],
+                "string": lambda: "kernel",
+                "int": lambda: [
+                    tf1.get_variable("i", initializer=tf.constant([1]), dtype=tf.int32)
+                ],
+                "tensor": lambda: [tf.constant([1.0])],
+            }[value]()
         v1.fuse(loss, opt, **kw)
 
 
 V1_CASES = [
     *[(f"steps={v}", "`steps`") for v in ("0", "-2", "1.5", "True", "'3'")],
-    ("steps_tensor=float", "`steps`"), ("steps_tensor=vector", "`steps`"),
+    ("steps_tensor=float", "`steps`"),
+    ("steps_tensor=vector", "`steps`"),
     *[(f"tol={v}", "`tol`") for v in ("-1.0", "float('nan')", "'x'")],
     *[(f"record_every={v}", "`record_every`") for v in ("0", "1.5")],
-    ("mode='eager'", "`mode`"), ("jit_compile='yes'", "`jit_compile`"),
-    ("on_nonfinite='ignore'", "`on_nonfinite`"), ("chunk=0", "`chunk`"),
-    *[(f"optimizer={name}", "`optimizer`") for name, _ in _other_framework_optimizers()
-      if name != "tf1 GradientDescent"],
+    ("mode='eager'", "`mode`"),
+    ("jit_compile='yes'", "`jit_compile`"),
+    ("on_nonfinite='ignore'", "`on_nonfinite`"),
+    ("chunk=0", "`chunk`"),
+    *[
+        (f"optimizer={name}", "`optimizer`")
+        for name, _ in _other_framework_optimizers()
+        if name != "tf1 GradientDescent"
+    ],
     ("optimizer=keras SGD", "`optimizer`"),
-    *[(f"loss={c}", "`loss_fn`") for c in ("not callable", "vector", "integer", "none", "bias_unused")],
+    *[
+        (f"loss={c}", "`loss_fn`")
+        for c in ("not callable", "vector", "integer", "none", "bias_unused")
+    ],
     *[(f"var_list={c}", "`var_list`") for c in ("empty", "string", "int", "tensor")],
 ]
 
@@ -331,7 +403,9 @@ def _v1_seed(**kw):
 
 
 @pytest.mark.parametrize("mode", ["fused", "stepwise"])
-@pytest.mark.parametrize("case", ["x has 1 feature", "labels 2-D", "steps=0 at run", "steps=1.5 at run"])
+@pytest.mark.parametrize(
+    "case", ["x has 1 feature", "labels 2-D", "steps=0 at run", "steps=1.5 at run"]
+)
 def test_tf1_bad_feed_or_run_steps_changes_nothing(case, mode):
     sess, fused, x, y = _v1_seed(mode=mode)
     before = sess.run(fused.state)
@@ -339,7 +413,10 @@ def test_tf1_bad_feed_or_run_steps_changes_nothing(case, mode):
     if case == "x has 1 feature":
         feed, pattern = {x: X[:, :1], y: Y}, r"Cannot feed value of shape \(50, 1\) for Tensor x:0"
     elif case == "labels 2-D":
-        feed, pattern = {x: X, y: Y[:, None]}, r"Cannot feed value of shape \(50, 1\) for Tensor y:0"
+        feed, pattern = (
+            {x: X, y: Y[:, None]},
+            r"Cannot feed value of shape \(50, 1\) for Tensor y:0",
+        )
     else:
         kw["steps"] = 0 if "=0" in case else 1.5
     with pytest.raises((TypeError, ValueError), match=pattern):

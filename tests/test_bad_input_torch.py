@@ -21,10 +21,18 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch_helpers import (
+    X,
+    Y,
+    assert_close_lists,
+    assert_same_state,
+    make,
+    params_of,
+    reference_steps,
+    state_of,
+)
 
 import stepfuse.torch as sf
-from torch_helpers import (X, Y, assert_close_lists, assert_same_state, make, params_of,
-                           reference_steps, state_of)
 
 
 class NotATorchOptimizer:
@@ -44,6 +52,7 @@ def _foreign_optimizers():
     if importlib.util.find_spec("optax") is not None:
         out.append(("optax.sgd", lambda: __import__("optax").sgd(0.1)))
     if importlib.util.find_spec("keras") is not None:
+
         def keras_sgd():
             import os
 
@@ -51,6 +60,7 @@ def _foreign_optimizers():
             import keras
 
             return keras.optimizers.SGD(0.1)
+
         out.append(("keras.SGD", keras_sgd))
     return out
 
@@ -111,16 +121,37 @@ CASES = [
     ("chunk=0", fuse_kw(chunk=0), ValueError, "chunk"),
     ("loss_fn=3", lambda m, o, f: sf.fuse(3, o, steps=3), TypeError, "loss_fn"),
     # -- optimizers and parameters, refused by fuse() ----------------------------------------
-    *[(f"optimizer={name}", (lambda mk: lambda m, o, f: sf.fuse(f, mk(), steps=3))(mk), TypeError, "optimizer")
-      for name, mk in _foreign_optimizers()],
+    *[
+        (
+            f"optimizer={name}",
+            (lambda mk: lambda m, o, f: sf.fuse(f, mk(), steps=3))(mk),
+            TypeError,
+            "optimizer",
+        )
+        for name, mk in _foreign_optimizers()
+    ],
     ("param requires_grad=False", fuse_opt(_frozen_param_optimizer), ValueError, "optimizer"),
     ("param of integer dtype", fuse_opt(_int_param_optimizer), TypeError, "optimizer"),
     # -- the loss, refused by the first call before any step ----------------------------------
-    ("loss not scalar", fuse_loss(lambda m, x, y: F.cross_entropy(m(x), y, reduction="none")),
-     ValueError, "loss_fn"),
-    ("loss of integer dtype", fuse_loss(lambda m, x, y: (m(x).argmax(1) == y).sum()), TypeError, "loss_fn"),
-    ("loss a Python float", fuse_loss(lambda m, x, y: float(F.cross_entropy(m(x), y))), TypeError, "loss_fn"),
-    ("loss independent of params", fuse_loss(lambda m, x, y: (x ** 2).mean()), ValueError, "loss_fn"),
+    (
+        "loss not scalar",
+        fuse_loss(lambda m, x, y: F.cross_entropy(m(x), y, reduction="none")),
+        ValueError,
+        "loss_fn",
+    ),
+    (
+        "loss of integer dtype",
+        fuse_loss(lambda m, x, y: (m(x).argmax(1) == y).sum()),
+        TypeError,
+        "loss_fn",
+    ),
+    (
+        "loss a Python float",
+        fuse_loss(lambda m, x, y: float(F.cross_entropy(m(x), y))),
+        TypeError,
+        "loss_fn",
+    ),
+    ("loss independent of params", fuse_loss(lambda m, x, y: (x**2).mean()), ValueError, "loss_fn"),
     # -- the batch, refused by the first call before any step ---------------------------------
     ("x with 3 features", call(torch.zeros(50, 3), Y), ValueError, "batch"),
     ("x float64", call(X.double(), Y), ValueError, "batch"),
@@ -224,7 +255,9 @@ FUSED_CALLS = [
 ]
 
 
-@pytest.mark.parametrize("kw, batch, exc, name", [c[1:] for c in FUSED_CALLS], ids=[c[0] for c in FUSED_CALLS])
+@pytest.mark.parametrize(
+    "kw, batch, exc, name", [c[1:] for c in FUSED_CALLS], ids=[c[0] for c in FUSED_CALLS]
+)
 def test_fused_call_errors_change_nothing(fused_fit, kw, batch, exc, name):
     model, optimizer, fit = fused_fit
     params, state, step = params_of(model), state_of(optimizer), fit.step

@@ -15,8 +15,21 @@ from stepfuse.demo import available_backends
 @pytest.mark.parametrize("backend", available_backends())
 def test_demo_passes_its_check_and_writes_json_and_plot(backend, tmp_path, capsys):
     out, png = tmp_path / "demo.json", tmp_path / "demo.png"
-    code = main(["demo", "--backend", backend, "--calls", "4", "--timing-steps", "200",
-                 "--json", str(out), "--plot", str(png)])
+    code = main(
+        [
+            "demo",
+            "--backend",
+            backend,
+            "--calls",
+            "4",
+            "--timing-steps",
+            "200",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
     assert code == 0
     data = json.loads(out.read_text())
     assert data["check_passed"] is True and data["backend"] == backend
@@ -30,8 +43,20 @@ def test_demo_passes_its_check_and_writes_json_and_plot(backend, tmp_path, capsy
 
 def test_demo_with_the_stale_gradient_fails_its_check(tmp_path):
     out = tmp_path / "demo.json"
-    code = main(["demo", "--backend", available_backends()[0], "--calls", "3", "--timing-steps", "100",
-                 "--stale-gradient", "--json", str(out)])
+    code = main(
+        [
+            "demo",
+            "--backend",
+            available_backends()[0],
+            "--calls",
+            "3",
+            "--timing-steps",
+            "100",
+            "--stale-gradient",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 1
     assert json.loads(out.read_text())["check_passed"] is False
 
@@ -56,7 +81,9 @@ def test_demo_with_the_stale_gradient_fails_its_check(tmp_path):
     ],
 )
 def test_bad_command_line_is_one_line_and_exit_2(argv, needle):
-    proc = subprocess.run([sys.executable, "-m", "stepfuse.cli", *argv], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "stepfuse.cli", *argv], capture_output=True, text=True
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr
@@ -73,8 +100,12 @@ def test_backend_not_installed_is_reported(monkeypatch, capsys):
 def test_bench_quick_has_every_contender_of_every_backend(tmp_path):
     out = tmp_path / "bench.json"
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "stepfuse.cli", "bench", "--quick", "--json", str(out)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "stepfuse.cli", "bench", "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     elapsed = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads(out.read_text())["results"]
@@ -85,7 +116,9 @@ def test_bench_quick_has_every_contender_of_every_backend(tmp_path):
     for backend in available_backends():
         module = importlib.import_module(MODULES[backend])
         for size in ("seed", "mlp"):
-            got = {r["contender"] for r in results if r["backend"] == backend and r["problem"] == size}
+            got = {
+                r["contender"] for r in results if r["backend"] == backend and r["problem"] == size
+            }
             assert got == set(module.CONTENDERS), (backend, size, got)
             assert all(r["us_per_step"] > 0 for r in results if r["backend"] == backend)
     print(f"bench --quick took {elapsed:.0f} s")
@@ -104,14 +137,25 @@ def test_matplotlib_missing_is_a_usage_error_before_the_run(monkeypatch, capsys)
 
 
 def test_stale_gradient_note_is_printed(tmp_path, capsys):
-    main(["demo", "--backend", available_backends()[0], "--calls", "2", "--timing-steps", "10",
-          "--stale-gradient"])
+    main(
+        [
+            "demo",
+            "--backend",
+            available_backends()[0],
+            "--calls",
+            "2",
+            "--timing-steps",
+            "10",
+            "--stale-gradient",
+        ]
+    )
     assert "[stale gradient: the first gradient applied N times]" in capsys.readouterr().out
 
 
 def test_python_dash_m_stepfuse_is_the_command():
-    proc = subprocess.run([sys.executable, "-m", "stepfuse", "demo", "--steps", "0"], capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "stepfuse", "demo", "--steps", "0"], capture_output=True, text=True
+    )
     assert proc.returncode == 2 and "--steps" in proc.stderr
 
 

@@ -171,7 +171,9 @@ def test_notifier_calls_back_at_once_draws_the_latest_pair_and_never_moves_back(
     from stepfuse._loop import Notifier
 
     seen = []
-    opts = check_options(steps=100, progress=True, every=10, callback=lambda s, l: seen.append((s, l)))
+    opts = check_options(
+        steps=100, progress=True, every=10, callback=lambda s, l: seen.append((s, l))
+    )
     with Notifier(opts, 5, 100) as notifier:
         bar = notifier._bar
         for step in (15, 25, 35):
@@ -198,14 +200,24 @@ def test_bench_harness_interleaves_rounds_until_each_contender_had_min_seconds()
             def run(n):
                 calls[name].append(n)
                 time.sleep(0.004)  # a sample (>= 20 ms) is at most 5 calls
+
             return run
+
         return build
 
     def timed(**kw):
         calls["a"].clear(), calls["b"].clear()
         t0 = time.perf_counter()
-        rows = measure({"a": builder("a"), "b": builder("b")}, 4, backend="x", problem="p",
-                       reference="a", repeats=2, steps_for={"b": 2}, **kw)
+        rows = measure(
+            {"a": builder("a"), "b": builder("b")},
+            4,
+            backend="x",
+            problem="p",
+            reference="a",
+            repeats=2,
+            steps_for={"b": 2},
+            **kw,
+        )
         took = time.perf_counter() - t0
         return {r.contender: r for r in rows}, len(calls["a"]) - 1, len(calls["b"]) - 1, took
 

@@ -33,7 +33,8 @@ except KeyboardInterrupt:
 """
 
 CHILDREN = {
-    "jax": ("""
+    "jax": (
+        """
         import jax, numpy as np, optax
         import stepfuse.jax as sf
         from stepfuse.problems import blobs, perceptron_init
@@ -48,7 +49,8 @@ CHILDREN = {
             global state
             state, _ = fit(state, x, y)
         call()
-    """, """
+    """,
+        """
         n = int(state.step)
         ref, rstate = make()
         while int(rstate.step) < n:
@@ -56,8 +58,10 @@ CHILDREN = {
         same = all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(state),
                                                          jax.tree_util.tree_leaves(rstate)))
         print("CONSISTENT" if same else "INCONSISTENT", n, flush=True)
-    """),
-    "tf": ("""
+    """,
+    ),
+    "tf": (
+        """
         import keras, numpy as np, tensorflow as tf
         import stepfuse.tf as sf
         from stepfuse.problems import blobs, perceptron_init
@@ -74,7 +78,8 @@ CHILDREN = {
         def call():
             fit(x, y)
         call()
-    """, """
+    """,
+        """
         n = fit.step
         ref, ropt, rvs = make()
         while ref.step < n:
@@ -82,8 +87,10 @@ CHILDREN = {
         same = int(opt.iterations.numpy()) == n and all(
             np.allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7) for a, b in zip(vs, rvs))
         print("CONSISTENT" if same else "INCONSISTENT", n, flush=True)
-    """),
-    "torch": ("""
+    """,
+    ),
+    "torch": (
+        """
         import numpy as np, torch
         import stepfuse.torch as sf
         from stepfuse.problems import blobs, perceptron_init
@@ -103,7 +110,8 @@ CHILDREN = {
         def call():
             fit(x, y)
         call()
-    """, """
+    """,
+        """
         n = fit.step
         ref, ropt, rmodel = make("fused")
         ref(x, y, steps=n)  # one long fused call of the same program
@@ -111,7 +119,8 @@ CHILDREN = {
         same = steps_ok and all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
                                 for a, b in zip(model.parameters(), rmodel.parameters()))
         print("CONSISTENT" if same else "INCONSISTENT", n, flush=True)
-    """),
+    """,
+    ),
 }
 
 
@@ -120,8 +129,13 @@ def test_sigint_leaves_parameters_state_and_step_consistent(backend):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TORCHINDUCTOR_COMPILE_THREADS="1")
     setup, check = CHILDREN[backend]
     script = textwrap.dedent(setup) + LOOP + textwrap.dedent(check)
-    child = subprocess.Popen([sys.executable, "-c", script],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    child = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     assert child.stdout.readline().strip() == "ready", child.stderr.read()
     time.sleep(0.7)
     # Like a user pressing Ctrl-C again if the first press lands where it is held back; the

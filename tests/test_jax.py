@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from tol_checks import assert_tol_stops_where_the_recorded_losses_say
 
 import stepfuse.jax as sf
 from stepfuse import NonFiniteError, Stop
 from stepfuse.bench.jax import mlp_loss  # a tanh MLP with softmax cross-entropy
 from stepfuse.problems import blobs, mlp_init, perceptron_init
-from tol_checks import assert_tol_stops_where_the_recorded_losses_say
 
 X, Y = blobs()
 RTOL, ATOL = 1e-6, 1e-7
@@ -39,23 +39,29 @@ OPTIMIZERS = {
     # optax's GradientTransformationExtraArgs that read the loss, re-evaluate it or its gradient
     "lbfgs": lambda: optax.lbfgs(),
     "adam_reduce_on_plateau": lambda: optax.chain(
-        optax.adam(0.05), optax.contrib.reduce_on_plateau(factor=0.5, patience=1, rtol=0.2)),
+        optax.adam(0.05), optax.contrib.reduce_on_plateau(factor=0.5, patience=1, rtol=0.2)
+    ),
     "polyak_sgd": lambda: optax.polyak_sgd(max_learning_rate=0.5),
     "sgd_backtracking_linesearch": lambda: optax.chain(
-        optax.sgd(2.0), optax.scale_by_backtracking_linesearch(max_backtracking_steps=15)),
+        optax.sgd(2.0), optax.scale_by_backtracking_linesearch(max_backtracking_steps=15)
+    ),
     "sam": lambda: optax.contrib.sam(optax.sgd(0.1), optax.sgd(0.05), sync_period=3),
     # a wrapper, not a GradientTransformation: accumulates 3 gradients per update
     "multi_steps_adam": lambda: optax.MultiSteps(optax.adam(0.05), every_k_schedule=3),
     # sam inside a chain, which hands every extra argument to it (sam takes grad_fn only)
-    "clip_sam": lambda: optax.chain(optax.clip_by_global_norm(1.0),
-                                    optax.contrib.sam(optax.sgd(0.1), optax.sgd(0.05), sync_period=3)),
+    "clip_sam": lambda: optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.contrib.sam(optax.sgd(0.1), optax.sgd(0.05), sync_period=3),
+    ),
     # states holding inf from the start: reduce_on_plateau's best value until its first
     # average of 3 losses; an injected max_norm=inf
     "adam_reduce_on_plateau_every_3": lambda: optax.chain(
-        optax.adam(0.05), optax.contrib.reduce_on_plateau(factor=0.5, patience=1, rtol=0.2,
-                                                          accumulation_size=3)),
-    "sgd_clip_inf": lambda: optax.chain(optax.inject_hyperparams(optax.clip_by_global_norm)(max_norm=jnp.inf),
-                                        optax.sgd(0.1)),
+        optax.adam(0.05),
+        optax.contrib.reduce_on_plateau(factor=0.5, patience=1, rtol=0.2, accumulation_size=3),
+    ),
+    "sgd_clip_inf": lambda: optax.chain(
+        optax.inject_hyperparams(optax.clip_by_global_norm)(max_norm=jnp.inf), optax.sgd(0.1)
+    ),
 }
 # What the reference passes to `update` beyond (grads, state, params), as optax's docs call
 # each of them; stepfuse must give at least these, with these values.
@@ -84,15 +90,21 @@ def optax_stepwise(loss_fn, optimizer, params, n, *batch, extra_args=()):
 
 def _one(loss_fn, optimizer, params, opt_state, *batch, extra_args=()):
     loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
-    extra = {"value": loss, "grad": grads, "value_fn": lambda p: loss_fn(p, *batch),
-             "grad_fn": lambda p, i: jax.grad(loss_fn)(p, *batch)}
+    extra = {
+        "value": loss,
+        "grad": grads,
+        "value_fn": lambda p: loss_fn(p, *batch),
+        "grad_fn": lambda p, i: jax.grad(loss_fn)(p, *batch),
+    }
     extra = {k: extra[k] for k in extra_args}
     updates, opt_state = optimizer.update(grads, opt_state, params, **extra)
     return loss, optax.apply_updates(params, updates), opt_state
 
 
 def assert_trees_close(a, b, rtol=RTOL, atol=ATOL):
-    jax.tree_util.tree_map(lambda u, v: np.testing.assert_allclose(u, v, rtol=rtol, atol=atol), a, b)
+    jax.tree_util.tree_map(
+        lambda u, v: np.testing.assert_allclose(u, v, rtol=rtol, atol=atol), a, b
+    )
 
 
 @pytest.mark.parametrize("opt_name", OPTIMIZERS)
@@ -106,8 +118,15 @@ def test_fused_calls_equal_optax_stepwise_loop(problem, opt_name):
         state, trace = fit(state, X, Y, steps=n)
         assert trace.steps == n and trace.stop is Stop.STEPS and len(trace.loss) == n
         losses.extend(trace.loss)
-    params, opt_state, ref_losses = optax_stepwise(loss_fn, OPTIMIZERS[opt_name](), init(), sum(calls), X, Y,
-                                                   extra_args=EXTRA_ARGS.get(opt_name, ()))
+    params, opt_state, ref_losses = optax_stepwise(
+        loss_fn,
+        OPTIMIZERS[opt_name](),
+        init(),
+        sum(calls),
+        X,
+        Y,
+        extra_args=EXTRA_ARGS.get(opt_name, ()),
+    )
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=ATOL)
     assert_trees_close(state.params, params)
     assert_trees_close(state.opt_state, opt_state)
@@ -139,8 +158,10 @@ NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}  # an XLA:CPU option (see 
 def test_compiler_options_reach_the_fused_program_and_keep_the_results():
     loss_fn, init = PROBLEMS["perceptron"]
     opt = OPTIMIZERS["adam"]
-    fits = {mode: sf.fuse(loss_fn, opt(), steps=8, mode=mode, compiler_options=NO_YNN)
-            for mode in ("fused", "stepwise")}
+    fits = {
+        mode: sf.fuse(loss_fn, opt(), steps=8, mode=mode, compiler_options=NO_YNN)
+        for mode in ("fused", "stepwise")
+    }
     out = {mode: fit(fit.init(init()), X, Y) for mode, fit in fits.items()}
     ref_params, _, ref_losses = optax_stepwise(loss_fn, opt(), init(), 8, X, Y)
     for state, trace in out.values():
@@ -242,7 +263,7 @@ def test_tol_compares_the_exact_difference_of_losses_far_apart(loss_dtype):
     # Losses falling ~2.8x a step: their difference rounded in the loss dtype crossed tol
     # (float32: at the last bit; a bfloat16 loss: at tol=0.702 against a recorded 0.70117).
     def loss(w):
-        return jnp.sum(w ** 2).astype(loss_dtype)
+        return jnp.sum(w**2).astype(loss_dtype)
 
     w0 = jnp.array([1.0, 0.3])
 
@@ -291,11 +312,14 @@ def test_losses_of_other_widths_reach_the_host_whole(dtype):
         assert t1.loss.dtype == (np.float64 if dtype == "float64" else np.float32)
         assert len(t1.loss) == len(t2.loss) and 0 < t1.steps
         np.testing.assert_allclose(t1.loss, t2.loss, rtol=rtol)
-        np.testing.assert_allclose(np.asarray(s1.params, np.float64), np.asarray(s2.params, np.float64),
-                                   rtol=rtol)
+        np.testing.assert_allclose(
+            np.asarray(s1.params, np.float64), np.asarray(s2.params, np.float64), rtol=rtol
+        )
 
 
-@pytest.mark.parametrize("opt", [optax.sgd(3.0), optax.sgd(1.0, momentum=0.9)], ids=["sgd", "momentum"])
+@pytest.mark.parametrize(
+    "opt", [optax.sgd(3.0), optax.sgd(1.0, momentum=0.9)], ids=["sgd", "momentum"]
+)
 def test_nonfinite_stops_before_the_bad_update_at_the_oracles_step(opt):
     x = jnp.asarray(X[:, :2])
     batch = (x, jnp.asarray(Y, jnp.float32))
@@ -334,12 +358,16 @@ def wall_loss(w, target):
 
 @pytest.mark.parametrize("notify", [False, True], ids=["plain", "callback"])
 @pytest.mark.parametrize("opt_name", STATEFUL)
-def test_nonfinite_with_optimizer_state_gives_the_state_of_a_call_stopping_there_bitwise(opt_name, notify):
+def test_nonfinite_with_optimizer_state_gives_the_state_of_a_call_stopping_there_bitwise(
+    opt_name, notify
+):
     # The loop applies a step before its test reads the step's check; a refused update is
     # undone by running the call's finite steps again. The state, trace and aux must be
     # those of a call of exactly those steps (bit for bit) and of optax's loop.
     opt, target, w0 = STATEFUL[opt_name](), jnp.array([5.0, -1.0]), jnp.zeros(2)
-    k, ref_params, ref_opt = first_nonfinite_update(lambda w, t: wall_loss(w, t)[0], opt, w0, (target,), 300)
+    k, ref_params, ref_opt = first_nonfinite_update(
+        lambda w, t: wall_loss(w, t)[0], opt, w0, (target,), 300
+    )
     assert k > 5
     seen = []
     notified = {"callback": lambda s, l: seen.append((s, l)), "every": 3} if notify else {}
@@ -362,7 +390,7 @@ def test_nonfinite_with_optimizer_state_gives_the_state_of_a_call_stopping_there
         j_state, j_trace, j_aux = jax.jit(fit)(fit.init(w0), target)
         assert int(j_trace.stop) == Stop.NONFINITE and int(j_trace.steps) == k == int(j_state.step)
         assert_trees_close(j_state, state, rtol=1e-6)
-        np.testing.assert_allclose(j_trace.loss[:k + 1], trace.loss, rtol=1e-6)
+        np.testing.assert_allclose(j_trace.loss[: k + 1], trace.loss, rtol=1e-6)
         np.testing.assert_array_equal(j_aux, j_state.params)
 
 
@@ -371,7 +399,9 @@ def test_vmap_with_models_stopping_at_different_steps_equals_separate_fits():
     # the models that met one.
     fit = sf.fuse(wall_loss, optax.adam(0.1), steps=80, has_aux=True)
     w0 = jnp.zeros((4, 2))
-    targets = jnp.array([[5.0, -1.0], [2.0, 1.0], [9.0, 0.0], [4.0, 3.0]])  # the second never hits the wall
+    targets = jnp.array(
+        [[5.0, -1.0], [2.0, 1.0], [9.0, 0.0], [4.0, 3.0]]
+    )  # the second never hits the wall
     states, traces, _ = jax.vmap(lambda w, t: fit(fit.init(w), t))(w0, targets)
     stops = []
     for i in range(4):
@@ -379,15 +409,20 @@ def test_vmap_with_models_stopping_at_different_steps_equals_separate_fits():
         stops.append(trace.stop)
         assert int(traces.steps[i]) == trace.steps and int(traces.stop[i]) == trace.stop
         np.testing.assert_allclose(states.params[i], state.params, rtol=1e-5)
-        assert_trees_close(jax.tree_util.tree_map(lambda a: a[i], states.opt_state), state.opt_state,
-                           rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(traces.loss[i, :len(trace.loss)], trace.loss, rtol=1e-5)
+        assert_trees_close(
+            jax.tree_util.tree_map(lambda a: a[i], states.opt_state),
+            state.opt_state,
+            rtol=1e-5,
+            atol=1e-6,
+        )
+        np.testing.assert_allclose(traces.loss[i, : len(trace.loss)], trace.loss, rtol=1e-5)
     assert stops.count(Stop.NONFINITE) == 3 and len(set(int(s) for s in traces.steps)) == 4
 
 
 def inf_entry_that_returns(finite_at: int, inf_at: int) -> optax.GradientTransformation:
     """Passes the gradient on; its state holds an entry that is inf at init, 1.0 from
     update ``finite_at`` (0-based) and inf again from update ``inf_at``."""
+
     def init(params):
         return {"x": jnp.array(jnp.inf, jnp.float32), "n": jnp.zeros((), jnp.int32)}
 
@@ -424,7 +459,9 @@ def test_vmap_over_8_initialisations_equals_8_separate_fits():
     assert traces.loss.shape == (8, 20)
     for i, p in enumerate(inits):
         state, trace = fit(fit.init(p), X, Y)
-        assert_trees_close(jax.tree_util.tree_map(lambda a: a[i], states.params), state.params, rtol=1e-5)
+        assert_trees_close(
+            jax.tree_util.tree_map(lambda a: a[i], states.params), state.params, rtol=1e-5
+        )
         np.testing.assert_allclose(traces.loss[i], trace.loss, rtol=1e-5)
         assert int(traces.steps[i]) == 20 and int(traces.stop[i]) == Stop.STEPS
 
@@ -500,7 +537,13 @@ def test_record_every_thins_the_trace():
 
 def test_callback_fires_from_inside_the_loop_at_global_steps():
     seen = []
-    fit = sf.fuse(perceptron_loss, optax.sgd(0.1), steps=10, callback=lambda s, l: seen.append((s, l)), every=4)
+    fit = sf.fuse(
+        perceptron_loss,
+        optax.sgd(0.1),
+        steps=10,
+        callback=lambda s, l: seen.append((s, l)),
+        every=4,
+    )
     state, t1 = fit(fit.init(perceptron_init()), X, Y)
     state, t2 = fit(state, X, Y)
     assert [s for s, _ in seen] == [4, 8, 12, 16, 20]
@@ -513,8 +556,15 @@ def test_callback_losses_are_the_stepwise_losses_recorded_or_not(record_every, d
     # The loss handed to the callback is that of the step before the notified update,
     # whether the trace keeps that step (record_every) or not.
     seen = []
-    fit = sf.fuse(perceptron_loss, optax.adam(0.05), steps=40, every=5, record_every=record_every,
-                  callback=lambda s, l: seen.append((s, l)), differentiable=differentiable)
+    fit = sf.fuse(
+        perceptron_loss,
+        optax.adam(0.05),
+        steps=40,
+        every=5,
+        record_every=record_every,
+        callback=lambda s, l: seen.append((s, l)),
+        differentiable=differentiable,
+    )
     state, _ = fit(fit.init(perceptron_init()), X, Y)
     fit(state, X, Y, steps=40)
     ref = sf.fuse(perceptron_loss, optax.adam(0.05), steps=80, mode="stepwise")
@@ -530,8 +580,13 @@ def test_callbacks_through_stepfuse_ffi_target_match_jax_debug_callback(monkeypa
 
     def run():
         seen = []
-        fit = sf.fuse(perceptron_loss, optax.adam(0.05), steps=12,
-                      callback=lambda s, l: seen.append((s, l)), every=5)
+        fit = sf.fuse(
+            perceptron_loss,
+            optax.adam(0.05),
+            steps=12,
+            callback=lambda s, l: seen.append((s, l)),
+            every=5,
+        )
         state, t1 = fit(fit.init(perceptron_init()), X, Y)
         fit(state, X, Y, steps=9)
         return fit, seen, t1
@@ -586,13 +641,20 @@ def test_progress_bar_runs_from_inside_the_loop(capsys):
 
 
 @pytest.mark.parametrize("record_every", [1, 3])
-@pytest.mark.parametrize("notify", [{"progress": True}, {"callback": lambda s, l: None},
-                                    {"progress": True, "callback": lambda s, l: None}],
-                         ids=["bar", "callback", "both"])
+@pytest.mark.parametrize(
+    "notify",
+    [
+        {"progress": True},
+        {"callback": lambda s, l: None},
+        {"progress": True, "callback": lambda s, l: None},
+    ],
+    ids=["bar", "callback", "both"],
+)
 def test_notifications_leave_the_results_unchanged(notify, record_every, capsys):
     plain = sf.fuse(perceptron_loss, optax.adam(0.05), steps=300, record_every=record_every)
-    noted = sf.fuse(perceptron_loss, optax.adam(0.05), steps=300, record_every=record_every,
-                    every=7, **notify)
+    noted = sf.fuse(
+        perceptron_loss, optax.adam(0.05), steps=300, record_every=record_every, every=7, **notify
+    )
     (s1, t1), (s2, t2) = (f(f.init(perceptron_init()), X, Y) for f in (plain, noted))
     np.testing.assert_array_equal(t1.loss, t2.loss)
     assert (t1.steps, t1.stop) == (t2.steps, t2.stop) and len(t2.loss) == -(-300 // record_every)
@@ -603,8 +665,9 @@ def test_a_bar_alone_reaches_the_host_at_multiples_of_every_paced_by_speed(monke
     # A callback is owed every multiple of `every`; a bar alone, drawn ~10 times a second,
     # only needs a host call every ~_DRAW_SECONDS at the previous call's speed.
     for callback in (None, lambda s, l: None):
-        fit = sf.fuse(perceptron_loss, optax.sgd(0.1), steps=5000, progress=True, every=3,
-                      callback=callback)
+        fit = sf.fuse(
+            perceptron_loss, optax.sgd(0.1), steps=5000, progress=True, every=3, callback=callback
+        )
         seen, deliver = [], fit._deliver
         monkeypatch.setattr(fit, "_deliver", lambda s, l: (seen.append(int(s)), deliver(s, l)))
         state, _ = fit(fit.init(perceptron_init()), X, Y)  # speed not known yet: every 3
@@ -621,6 +684,7 @@ def test_a_bar_alone_reaches_the_host_at_multiples_of_every_paced_by_speed(monke
 
 # -- bad input: each case names the argument, the value and a fix, before anything runs --
 
+
 @pytest.mark.parametrize("bad", [0, -1, 2.5, "3"])
 def test_bad_steps(bad):
     with pytest.raises((TypeError, ValueError), match=r"`steps`.*" + repr(bad).replace(".", r"\.")):
@@ -636,10 +700,16 @@ def test_call_steps_above_the_built_capacity_says_how_to_fix():
         fit(fit.init(perceptron_init()), X, Y, steps=4)
 
 
-@pytest.mark.parametrize("kwargs, name", [({"record_every": 0}, "record_every"), ({"tol": -1.0}, "tol"),
-                                          ({"compiler_options": {"xla_no_such_option": 1}}, "compiler_options"),
-                                          ({"compiler_options": [("a", 1)]}, "compiler_options"),
-                                          ({"compiler_options": {"a": [1]}}, "compiler_options")])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"record_every": 0}, "record_every"),
+        ({"tol": -1.0}, "tol"),
+        ({"compiler_options": {"xla_no_such_option": 1}}, "compiler_options"),
+        ({"compiler_options": [("a", 1)]}, "compiler_options"),
+        ({"compiler_options": {"a": [1]}}, "compiler_options"),
+    ],
+)
 def test_bad_options(kwargs, name):
     with pytest.raises((TypeError, ValueError), match=f"`{name}`"):
         sf.fuse(perceptron_loss, optax.sgd(0.1), steps=3, **kwargs)
@@ -683,7 +753,9 @@ def test_state_that_is_not_a_fitstate():
         fit(perceptron_init(), X, Y)
 
 
-def test_optax_extra_args_benchmark_script_checks_and_times_every_optimizer(capsys, benchmark_script):
+def test_optax_extra_args_benchmark_script_checks_and_times_every_optimizer(
+    capsys, benchmark_script
+):
     # benchmarks/optax_extra_args.py on its smallest settings: each optimizer's fused run
     # agrees with optax's per-step loop (the script asserts it) and gets a row.
     script = benchmark_script("optax_extra_args")
@@ -702,7 +774,12 @@ def test_tol_is_not_rounded_up_to_the_loss_dtype():
     As a float32, tol would round to 0.25 and the fused loop stopped after 2 steps."""
     fit = sf.fuse(lambda w: jnp.sum(w), optax.sgd(0.25), steps=5, tol=0.25 - 1e-12)
     ref = sf.fuse(lambda w: jnp.sum(w), optax.sgd(0.25), steps=5, tol=0.25 - 1e-12, mode="stepwise")
-    (_, trace), (_, expect) = fit(fit.init(jnp.ones(1)), ), ref(ref.init(jnp.ones(1)))
+    (_, trace), (_, expect) = (
+        fit(
+            fit.init(jnp.ones(1)),
+        ),
+        ref(ref.init(jnp.ones(1))),
+    )
     assert trace.stop == expect.stop == Stop.STEPS and trace.steps == expect.steps == 5
     np.testing.assert_array_equal(trace.loss, expect.loss)
 
@@ -726,11 +803,16 @@ def test_differentiable_fit_compiles_once_for_every_steps():
     w0, target = jnp.array([1.0, -2.0, 0.5]), jnp.array([0.5, 1.5, -0.5])
     ref = sf.fuse(quadratic, optax.sgd(0.02), steps=8, mode="stepwise")
     for n in (1, 3, 8, 2):
-        (_, trace), (_, expect) = fit(fit.init(w0), target, steps=n), ref(ref.init(w0), target, steps=n)
+        (_, trace), (_, expect) = (
+            fit(fit.init(w0), target, steps=n),
+            ref(ref.init(w0), target, steps=n),
+        )
         assert trace.steps == n
         np.testing.assert_allclose(trace.loss, expect.loss, rtol=RTOL)
     assert fit._fused._cache_size() == 1  # one compiled program (jax.jit's own cache)
-    grads = [jax.grad(lambda w: fit(fit.init(w), target, steps=n)[1].loss[n - 1])(w0) for n in (2, 5)]
+    grads = [
+        jax.grad(lambda w: fit(fit.init(w), target, steps=n)[1].loss[n - 1])(w0) for n in (2, 5)
+    ]
     assert not np.allclose(grads[0], grads[1])
 
 
@@ -760,20 +842,24 @@ def test_on_nonfinite_raise_under_jit_warns_that_it_cannot_raise():
     assert int(trace.stop) == Stop.NONFINITE
 
 
-
 @pytest.mark.parametrize("transform", ["jit", "vmap", "grad"])
 def test_stepwise_mode_inside_a_transform_is_refused_clearly(transform):
     """A Python loop of steps cannot run on tracers: a clear error instead of JAX's
     ConcretizationTypeError from deep inside the loop."""
     fit = sf.fuse(quadratic, optax.sgd(0.1), steps=3, mode="stepwise")
     w0, target = jnp.array([3.0, -2.0, 1.0]), jnp.zeros(3)
-    call = {"jit": lambda: jax.jit(fit)(fit.init(w0), target),
-            "vmap": lambda: jax.vmap(lambda w: fit(fit.init(w), target))(jnp.stack([w0, w0])),
-            "grad": lambda: jax.grad(lambda w: fit(fit.init(w), target)[0].params.sum())(w0)}[transform]
-    with pytest.raises(TypeError, match="mode='stepwise' cannot run inside jax.jit / jax.vmap / jax.grad"):
+    call = {
+        "jit": lambda: jax.jit(fit)(fit.init(w0), target),
+        "vmap": lambda: jax.vmap(lambda w: fit(fit.init(w), target))(jnp.stack([w0, w0])),
+        "grad": lambda: jax.grad(lambda w: fit(fit.init(w), target)[0].params.sum())(w0),
+    }[transform]
+    with pytest.raises(
+        TypeError, match="mode='stepwise' cannot run inside jax.jit / jax.vmap / jax.grad"
+    ):
         call()
     state, trace = fit(fit.init(w0), target)  # outside a transform it runs
     assert int(trace.steps) == 3
+
 
 def run_script(tmp_path, source: str, **env) -> None:
     """Run ``source`` in a fresh Python on the CPU with ``env`` added (JAX's device count and
@@ -784,8 +870,13 @@ def run_script(tmp_path, source: str, **env) -> None:
 
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(source))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu", **env})
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", **env},
+    )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
 
@@ -793,7 +884,9 @@ def test_sharded_inputs_with_callbacks_and_one_model_per_device(tmp_path):
     """stepfuse's own host target has no sharding; inputs on several devices go through
     jax.debug.callback (XLA refused the program before); and one model per device under
     shard_map (the while_loop refused its carry). Two CPU devices, in a subprocess."""
-    run_script(tmp_path, """
+    run_script(
+        tmp_path,
+        """
         import numpy as np, jax, jax.numpy as jnp, optax, stepfuse.jax as sf
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
         mesh = Mesh(np.array(jax.devices()), ("d",))
@@ -816,14 +909,18 @@ def test_sharded_inputs_with_callbacks_and_one_model_per_device(tmp_path):
         want = jnp.stack([per(per.init(w), t)[0].params for w in W])
         np.testing.assert_allclose(run(W), want, rtol=1e-6)
         print("ok")
-    """, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    """,
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    )
 
 
 def test_callbacks_get_float64_losses_whole_under_x64(tmp_path):
     """With jax_enable_x64, a float64 loss reaches the callback as float64 (it went as
     float32: rounded, and inf beyond float32's range), through stepfuse's host target
     and through jax.debug.callback (vmap). In a subprocess (x64 is process-wide)."""
-    run_script(tmp_path, """
+    run_script(
+        tmp_path,
+        """
         import jax, jax.numpy as jnp, numpy as np, optax, stepfuse.jax as sf
         assert jax.config.jax_enable_x64
         for offset in (1e-10, 1e300):  # rounded away as float32; inf as float32
@@ -837,4 +934,6 @@ def test_callbacks_get_float64_losses_whole_under_x64(tmp_path):
             jax.vmap(lambda s: fit(s)[1].loss)(jax.vmap(fit.init)(jnp.ones((1, 1), jnp.float64)))
             np.testing.assert_array_equal(seen, trace.loss)
         print("ok")
-    """, JAX_ENABLE_X64="1")
+    """,
+        JAX_ENABLE_X64="1",
+    )

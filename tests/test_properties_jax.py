@@ -55,8 +55,14 @@ def fits(problem, opt, record_every, tol):
     if key not in _FITS:
         loss_fn = PROBLEMS[problem][0]
         _FITS[key] = tuple(
-            sf.fuse(loss_fn, OPTIMIZERS[opt](learning_rate=0.01), steps=MAX_STEPS,
-                    record_every=record_every, tol=tol, mode=mode)
+            sf.fuse(
+                loss_fn,
+                OPTIMIZERS[opt](learning_rate=0.01),
+                steps=MAX_STEPS,
+                record_every=record_every,
+                tol=tol,
+                mode=mode,
+            )
             for mode in ("fused", "stepwise")
         )
     return _FITS[key]
@@ -96,8 +102,9 @@ def assert_trees_close(a, b):
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=RTOL, atol=ATOL)
 
 
-@settings(max_examples=25, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(configs())
 def test_fused_equals_stepwise(cfg):
     loss_fn, init, batch = PROBLEMS[cfg["problem"]]
@@ -108,7 +115,10 @@ def test_fused_equals_stepwise(cfg):
         s_f, t_f = fused(s_f, *batch, steps=n)
         s_s, t_s = stepwise(s_s, *batch, steps=n)
         assert (t_f.steps, t_f.stop) == (t_s.steps, t_s.stop), (n, t_f, t_s)
-        assert t_f.loss.shape == t_s.loss.shape and t_f.loss.dtype == t_s.loss.dtype, (t_f.loss, t_s.loss)
+        assert t_f.loss.shape == t_s.loss.shape and t_f.loss.dtype == t_s.loss.dtype, (
+            t_f.loss,
+            t_s.loss,
+        )
         np.testing.assert_allclose(t_f.loss, t_s.loss, rtol=RTOL, atol=ATOL)
         assert int(s_f.step) == int(s_s.step)
         assert_trees_close(s_f.params, s_s.params)
@@ -123,9 +133,11 @@ def test_fused_equals_stepwise(cfg):
 def test_the_strategies_reach_every_stop_reason():
     """The property above is only as good as its inputs: each stop reason is reachable."""
     seen = set()
-    for problem, opt, lr, tol in [("least_squares", "sgd", 3.0, None),   # diverges
-                                  ("least_squares", "sgd", 0.03, 1e-4),  # converges (tol)
-                                  ("perceptron", "adam", 0.01, None)]:    # runs all steps
+    for problem, opt, lr, tol in [
+        ("least_squares", "sgd", 3.0, None),  # diverges
+        ("least_squares", "sgd", 0.03, 1e-4),  # converges (tol)
+        ("perceptron", "adam", 0.01, None),
+    ]:  # runs all steps
         fused, stepwise = fits(problem, opt, 1, tol)
         loss_fn, init, batch = PROBLEMS[problem]
         _, t_f = fused(with_lr(fused.init(init()), lr), *batch)

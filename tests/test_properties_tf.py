@@ -38,7 +38,9 @@ def _perceptron():
 
     def loss(x, y):
         logits = tf.matmul(x, k) + b
-        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        return tf.reduce_mean(
+            tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        )
 
     return [k, b], loss, (X, Y)
 
@@ -65,8 +67,15 @@ class Pair:
         for mode in ("fused", "stepwise"):
             variables, loss, batch = PROBLEMS[problem]()
             optimizer = OPTIMIZERS[opt](learning_rate=0.01)
-            fit = sf.fuse(loss, optimizer, variables, steps=MAX_STEPS, record_every=record_every,
-                          tol=tol, mode=mode)
+            fit = sf.fuse(
+                loss,
+                optimizer,
+                variables,
+                steps=MAX_STEPS,
+                record_every=record_every,
+                tol=tol,
+                mode=mode,
+            )
             init = [v.numpy().copy() for v in list(variables) + list(optimizer.variables)]
             self.fits.append((fit, init))
         self.batch = tuple(tf.constant(a) for a in batch)
@@ -102,11 +111,20 @@ def splits(draw):
     return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-@settings(max_examples=30, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-@given(problem=st.sampled_from(sorted(PROBLEMS)), opt=st.sampled_from(sorted(OPTIMIZERS)),
-       record_every=st.sampled_from([1, 3]), tol=st.sampled_from([None, TOL]),
-       lr_unit=st.floats(0.0, 1.0), calls=splits())
+@settings(
+    max_examples=30,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+@given(
+    problem=st.sampled_from(sorted(PROBLEMS)),
+    opt=st.sampled_from(sorted(OPTIMIZERS)),
+    record_every=st.sampled_from([1, 3]),
+    tol=st.sampled_from([None, TOL]),
+    lr_unit=st.floats(0.0, 1.0),
+    calls=splits(),
+)
 @example(problem="least_squares", opt="sgd", record_every=3, tol=None, lr_unit=1.0, calls=[10, 30])
 def test_fused_equals_stepwise(problem, opt, record_every, tol, lr_unit, calls):
     lo, hi = LR_RANGES[opt]

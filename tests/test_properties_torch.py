@@ -17,10 +17,19 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch_helpers import (
+    X,
+    Y,
+    assert_close_lists,
+    assert_same_state,
+    make,
+    params_of,
+    reset,
+    state_of,
+)
 
 import stepfuse.torch as sf
 from stepfuse import Stop
-from torch_helpers import X, Y, assert_close_lists, assert_same_state, make, params_of, reset, state_of
 
 MAX_STEPS = 30
 OPTS = {"sgd_momentum": (1e-3, 0.5), "adam": (1e-3, 0.3)}
@@ -53,8 +62,13 @@ def hand_written(model, optimizer, n, record_every, tol, start_index=0):
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(split=splits(), record_every=st.integers(1, 5), opt=st.sampled_from(sorted(OPTS)),
-       lr_frac=st.floats(0, 1), tol=st.one_of(st.none(), st.sampled_from([1e-4, 1e-3, 5e-3])))
+@given(
+    split=splits(),
+    record_every=st.integers(1, 5),
+    opt=st.sampled_from(sorted(OPTS)),
+    lr_frac=st.floats(0, 1),
+    tol=st.one_of(st.none(), st.sampled_from([1e-4, 1e-3, 5e-3])),
+)
 def test_stepwise_equals_the_hand_written_loop(split, record_every, opt, lr_frac, tol):
     lo, hi = OPTS[opt]
     lr = lo * (hi / lo) ** lr_frac  # log-uniform
@@ -62,7 +76,9 @@ def test_stepwise_equals_the_hand_written_loop(split, record_every, opt, lr_frac
     ref_m, ref_o, _ = make("perceptron", opt)
     for o in (optimizer, ref_o):
         o.param_groups[0]["lr"] = lr
-    fit = sf.fuse(loss_fn, optimizer, steps=MAX_STEPS, record_every=record_every, tol=tol, mode="stepwise")
+    fit = sf.fuse(
+        loss_fn, optimizer, steps=MAX_STEPS, record_every=record_every, tol=tol, mode="stepwise"
+    )
     for n in split:
         trace = fit(X, Y, steps=n)
         kept, applied, stop = hand_written(ref_m, ref_o, n, record_every, tol)
@@ -81,7 +97,11 @@ def fused_pair():
     if not _FUSED:
         for mode in ("fused", "stepwise"):
             model, optimizer, loss_fn = make("perceptron", "adam")
-            _FUSED[mode] = (model, optimizer, sf.fuse(loss_fn, optimizer, steps=MAX_STEPS, chunk=2, mode=mode))
+            _FUSED[mode] = (
+                model,
+                optimizer,
+                sf.fuse(loss_fn, optimizer, steps=MAX_STEPS, chunk=2, mode=mode),
+            )
     return _FUSED
 
 
@@ -95,7 +115,11 @@ def test_fused_equals_stepwise_for_any_split(split, warm):
             fit(X, Y, steps=1)
         traces = [fit(X, Y, steps=n) for n in split]
         assert [t.steps for t in traces] == split and all(t.stop == Stop.STEPS for t in traces)
-        out[mode] = (np.concatenate([t.loss for t in traces]), params_of(model), state_of(optimizer))
+        out[mode] = (
+            np.concatenate([t.loss for t in traces]),
+            params_of(model),
+            state_of(optimizer),
+        )
     np.testing.assert_allclose(out["fused"][0], out["stepwise"][0], rtol=1e-6, atol=1e-7)
     assert out["fused"][0].dtype == out["stepwise"][0].dtype == np.float32  # as the model's
     assert_close_lists(out["fused"][1], out["stepwise"][1])

@@ -10,7 +10,12 @@ from stepfuse.problems import blobs
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-NEEDS = {"stepfuse.jax": "jax", "stepfuse.tf.v1": "tf1", "stepfuse.tf ": "tf", "stepfuse.torch": "torch"}
+NEEDS = {
+    "stepfuse.jax": "jax",
+    "stepfuse.tf.v1": "tf1",
+    "stepfuse.tf ": "tf",
+    "stepfuse.torch": "torch",
+}
 
 
 def _backend(block):

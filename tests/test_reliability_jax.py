@@ -53,13 +53,22 @@ def leaves_equal(a, b) -> bool:
     la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
     if jax.tree_util.tree_structure(a) != jax.tree_util.tree_structure(b) or len(la) != len(lb):
         return False
-    return all(np.asarray(u).dtype == np.asarray(v).dtype and np.array_equal(u, v) for u, v in zip(la, lb))
+    return all(
+        np.asarray(u).dtype == np.asarray(v).dtype and np.array_equal(u, v) for u, v in zip(la, lb)
+    )
 
 
 def max_rel_diff(a, b) -> float:
-    diffs = [float(np.max(np.abs(np.asarray(u, np.float64) - np.asarray(v, np.float64))
-                          / np.maximum(np.abs(np.asarray(v, np.float64)), 1e-30), initial=0.0))
-             for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))]
+    diffs = [
+        float(
+            np.max(
+                np.abs(np.asarray(u, np.float64) - np.asarray(v, np.float64))
+                / np.maximum(np.abs(np.asarray(v, np.float64)), 1e-30),
+                initial=0.0,
+            )
+        )
+        for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
+    ]
     return max(diffs)
 
 
@@ -86,12 +95,17 @@ def test_checkpoint_restored_in_a_new_process_continues_bitwise(tmp_path):
         assert int(state.step) == {N}, int(state.step)
         state, trace = fit(state, X, Y, steps={N})
         checkpoint.save({str(out)!r}, state)
-        np.savez({str(tmp_path / 'losses.npz')!r}, loss=trace.loss,
+        np.savez({str(tmp_path / "losses.npz")!r}, loss=trace.loss,
                  steps=np.int64(trace.steps), stop=np.int64(int(trace.stop)))
         """
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     final = checkpoint.restore(out, fit.init(init_params()))
     with np.load(tmp_path / "losses.npz", allow_pickle=False) as f:
@@ -104,7 +118,6 @@ def test_checkpoint_restored_in_a_new_process_continues_bitwise(tmp_path):
     assert np.array_equal(np.concatenate([t1.loss, t2_loss]), ref_trace.loss)
 
 
-
 def test_checkpoint_of_a_state_holding_prng_keys_continues_bitwise(tmp_path):
     """optax.noisy_sgd keeps a typed PRNG key in its state: saved as its raw bits with its
     implementation's name (NumPy cannot hold key arrays; save failed with JAX's error)."""
@@ -113,13 +126,16 @@ def test_checkpoint_of_a_state_holding_prng_keys_continues_bitwise(tmp_path):
     half, _ = fit(fit.init(init_params()), X, Y, steps=3)
     checkpoint.save(tmp_path / "noisy.npz", half)
     back = checkpoint.restore(tmp_path / "noisy.npz", jax.eval_shape(fit.init, init_params()))
-    assert leaves_equal(jax.random.key_data(back.opt_state[0].rng_key),
-                        jax.random.key_data(half.opt_state[0].rng_key))
+    assert leaves_equal(
+        jax.random.key_data(back.opt_state[0].rng_key),
+        jax.random.key_data(half.opt_state[0].rng_key),
+    )
     done, _ = fit(back, X, Y, steps=3)
     assert leaves_equal(done.params, ref.params)
     other = sf.fuse(mlp_loss, optax.sgd(0.05), steps=6)
     with pytest.raises(ValueError, match="checkpoint"):
         checkpoint.restore(tmp_path / "noisy.npz", other.init(init_params()))
+
 
 def test_checkpoint_refuses_pickled_object_arrays(tmp_path):
     fit = make_fit(3)
@@ -150,9 +166,13 @@ def test_checkpoint_mismatches_name_the_argument(tmp_path):
     with pytest.raises(ValueError, match=r"`like` has \d+ leaves.*`path`"):
         checkpoint.restore(path, sgd.init(init_params()))
     wider = adam.init(mlp_init((2, 8, 2)))
-    with pytest.raises(ValueError, match=r"`like` has shape \(8,\) at \.params\[0\]\['bias'\].*has \(16,\)"):
+    with pytest.raises(
+        ValueError, match=r"`like` has shape \(8,\) at \.params\[0\]\['bias'\].*has \(16,\)"
+    ):
         checkpoint.restore(path, wider)
-    f16 = jax.tree_util.tree_map(lambda a: a.astype(jnp.float16) if a.dtype == jnp.float32 else a, state)
+    f16 = jax.tree_util.tree_map(
+        lambda a: a.astype(jnp.float16) if a.dtype == jnp.float32 else a, state
+    )
     with pytest.raises(ValueError, match=r"`like` has dtype float16"):
         checkpoint.restore(path, f16)
     other = tmp_path / "other.npz"
@@ -204,8 +224,13 @@ def test_splitting_the_steps_into_calls_is_bitwise(opt):
     which the second block checks against a hand-written optax loop.
     """
     ref_state, ref_loss = _run(12, [12], opt=opt)
-    for built, split, mode in [(12, [4] * 3, "fused"), (12, [1] * 12, "fused"), (4, [4] * 3, "fused"),
-                               (1, [1] * 12, "fused"), (12, [5, 7], "stepwise")]:
+    for built, split, mode in [
+        (12, [4] * 3, "fused"),
+        (12, [1] * 12, "fused"),
+        (4, [4] * 3, "fused"),
+        (1, [1] * 12, "fused"),
+        (12, [5, 7], "stepwise"),
+    ]:
         state, loss = _run(built, split, mode, opt=opt)
         assert leaves_equal(state, ref_state), (built, split, mode, max_rel_diff(state, ref_state))
         assert np.array_equal(loss, ref_loss), (built, split, mode)
@@ -230,6 +255,7 @@ def test_splitting_the_steps_into_calls_is_bitwise(opt):
 
 
 # -- 3. long runs and interrupts -----------------------------------------------------------
+
 
 def test_long_call_with_thinned_trace():
     n, k = 20_000, 1000

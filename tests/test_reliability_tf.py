@@ -51,7 +51,14 @@ def arrays(vs):
 # -- 1. numerical faults (TF2) -------------------------------------------------------------
 
 K = 7  # the step whose update the fault makes non-finite
-FAULTS = ("loss_nan", "loss_inf", "grad_nan_bias", "grad_inf_kernel", "grad_huge_adam_overflow", "data_nan")
+FAULTS = (
+    "loss_nan",
+    "loss_inf",
+    "grad_nan_bias",
+    "grad_inf_kernel",
+    "grad_huge_adam_overflow",
+    "data_nan",
+)
 
 
 def faulty_setup(fault):
@@ -121,10 +128,13 @@ def test_tf2_on_nonfinite_raise_reports_the_step(fault, mode):
     with pytest.raises(NonFiniteError, match=f"step {K}") as err:
         fit(*batch)
     assert err.value.step == K and err.value.trace.steps == K - 3 and fit.step == K
-    assert int(oa.iterations) == K and all(np.all(np.isfinite(a)) for a in arrays(va + list(oa.variables)))
+    assert int(oa.iterations) == K and all(
+        np.all(np.isfinite(a)) for a in arrays(va + list(oa.variables))
+    )
 
 
 # -- 1b. numerical faults (TF1) ------------------------------------------------------------
+
 
 def tf1_faulty(fault, kind="fused", thr=None, **kw):
     """TF1 seed perceptron with Momentum; the fault fires once the clean loss drops below ``thr``."""
@@ -244,11 +254,16 @@ def test_checkpoint_restored_in_a_new_process_continues_bitwise(tmp_path):
         assert fit.step == {N} and int(fit.optimizer.iterations) == {N}, fit.step
         trace = fit(X, Y, steps={N})
         checkpoint.save({str(out)!r}, fit)
-        np.savez({str(tmp_path / 'losses.npz')!r}, loss=trace.loss, steps=trace.steps, stop=int(trace.stop))
+        np.savez({str(tmp_path / "losses.npz")!r}, loss=trace.loss, steps=trace.steps, stop=int(trace.stop))
         """
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     final = make_fit(2 * N)
     checkpoint.restore(str(out), final)
@@ -266,7 +281,9 @@ def test_checkpoint_of_another_model_is_refused_and_changes_nothing(tmp_path):
     prefix = checkpoint.save(tmp_path / "mlp", fit)
     p = perceptron_init()
     k, b = tf.Variable(p["kernel"]), tf.Variable(p["bias"])
-    other = sf.fuse(lambda x, y: ce(y, tf.matmul(x, k) + b), keras.optimizers.Adam(0.01), [k, b], steps=3)
+    other = sf.fuse(
+        lambda x, y: ce(y, tf.matmul(x, k) + b), keras.optimizers.Adam(0.01), [k, b], steps=3
+    )
     before = fit_state(other)
     with pytest.raises(ValueError, match="`path`.*Nothing was restored"):
         checkpoint.restore(prefix, other)
@@ -283,7 +300,9 @@ def test_checkpoint_of_another_model_is_refused_and_changes_nothing(tmp_path):
 def test_tf1_saver_round_trip_bitwise(tmp_path):
     sess, fused, feed = tf1_faulty("none", "fused")
     ref_s, ref, ref_feed = tf1_faulty("none", "fused")
-    ref_losses = np.concatenate([ref.run(ref_s, ref_feed, steps=6).loss, ref.run(ref_s, ref_feed, steps=6).loss])
+    ref_losses = np.concatenate(
+        [ref.run(ref_s, ref_feed, steps=6).loss, ref.run(ref_s, ref_feed, steps=6).loss]
+    )
     first = fused.run(sess, feed, steps=6).loss
     with sess.graph.as_default():  # Saver.save/restore must run in the loop's graph
         path = checkpoint.saver(fused).save(sess, str(tmp_path / "v1"))
@@ -302,15 +321,23 @@ SPLITS = ((12,), (4, 4, 4), (1,) * 12)
 
 
 def _run_splits(split, jit=True, mode="fused", build_steps=12):
-    fit = make_fit(build_steps) if (jit and mode == "fused") else _make_fit_kw(build_steps, jit, mode)
+    fit = (
+        make_fit(build_steps) if (jit and mode == "fused") else _make_fit_kw(build_steps, jit, mode)
+    )
     losses = np.concatenate([fit(X, Y, steps=n).loss for n in split])
     return losses, fit_state(fit)
 
 
 def _make_fit_kw(steps, jit, mode):
     fit = make_fit(steps)
-    return sf.fuse(fit.loss_fn, keras.optimizers.Adam(0.01), fit.variables, steps=steps,
-                   jit_compile=jit, mode=mode)
+    return sf.fuse(
+        fit.loss_fn,
+        keras.optimizers.Adam(0.01),
+        fit.variables,
+        steps=steps,
+        jit_compile=jit,
+        mode=mode,
+    )
 
 
 @pytest.mark.parametrize("jit", [True, False], ids=["xla", "noxla"])
@@ -322,7 +349,9 @@ def test_tf2_same_inputs_same_bits_and_splits_are_bitwise(jit):
         assert all(np.array_equal(a, b) for a, b in zip(state, base_state))
     # A fit built with steps=1 (same chunk size, same program) called 12 times: bitwise too.
     losses, state = _run_splits((1,) * 12, jit, build_steps=1)
-    assert np.array_equal(losses, base_losses) and all(np.array_equal(a, b) for a, b in zip(state, base_state))
+    assert np.array_equal(losses, base_losses) and all(
+        np.array_equal(a, b) for a, b in zip(state, base_state)
+    )
 
 
 def test_tf2_fused_vs_stepwise_within_1e6_xla_rounding():
@@ -351,11 +380,14 @@ def test_tf1_same_inputs_same_bits_and_splits_are_bitwise():
 
 # -- 4. long runs --------------------------------------------------------------------------
 
+
 def test_long_run_20000_steps_thinned_trace():
     p = perceptron_init()
     k, b = tf.Variable(p["kernel"]), tf.Variable(p["bias"])
     opt = keras.optimizers.SGD(0.01)
-    fit = sf.fuse(lambda x, y: ce(y, tf.matmul(x, k) + b), opt, [k, b], steps=20_000, record_every=1000)
+    fit = sf.fuse(
+        lambda x, y: ce(y, tf.matmul(x, k) + b), opt, [k, b], steps=20_000, record_every=1000
+    )
     trace = fit(X, Y)
     assert trace.steps == 20_000 and trace.stop == Stop.STEPS and len(trace.loss) == 20
     assert list(trace.index[:3]) == [0, 1000, 2000] and np.all(np.isfinite(trace.loss))

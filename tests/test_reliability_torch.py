@@ -37,11 +37,20 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch_helpers import (
+    X,
+    Y,
+    assert_close_lists,
+    assert_same_state,
+    make,
+    params_of,
+    reference_steps,
+    reset,
+    state_of,
+)
 
 import stepfuse.torch as sf
 from stepfuse import NonFiniteError, Stop
-from torch_helpers import (X, Y, assert_close_lists, assert_same_state, make, params_of,
-                           reference_steps, reset, state_of)
 
 CHUNK = 2
 
@@ -58,13 +67,20 @@ def assert_bitwise(a, b):
 
 
 def max_rel(a, b) -> float:
-    return max(float(((u.double() - v.double()).abs() / v.double().abs().clamp_min(1e-30)).max())
-               for u, v in zip(a, b))
+    return max(
+        float(((u.double() - v.double()).abs() / v.double().abs().clamp_min(1e-30)).max())
+        for u, v in zip(a, b)
+    )
 
 
 # -- 1. numerical faults --------------------------------------------------------------------
 
-KINDS = {1: "NaN loss", 2: "inf loss", 3: "inf gradient (finite loss)", 4: "NaN gradient (finite loss)"}
+KINDS = {
+    1: "NaN loss",
+    2: "inf loss",
+    3: "inf gradient (finite loss)",
+    4: "NaN gradient (finite loss)",
+}
 
 
 def fault_loss(model):
@@ -96,7 +112,11 @@ def fault_fits():
     fits = {}
     for mode in ("fused", "stepwise"):
         model, optimizer, _ = make("perceptron", "adam")
-        fits[mode] = (model, optimizer, sf.fuse(fault_loss(model), optimizer, steps=12, chunk=CHUNK, mode=mode))
+        fits[mode] = (
+            model,
+            optimizer,
+            sf.fuse(fault_loss(model), optimizer, steps=12, chunk=CHUNK, mode=mode),
+        )
     # the clean trajectory (kind 0) and a threshold between the losses before updates 4 and 5
     model, optimizer, fit = fits["stepwise"]
     clean = fit(X, Y, torch.tensor(0), torch.tensor(0.0)).loss
@@ -151,7 +171,9 @@ def test_fault_at_the_first_step_of_a_later_call_applies_nothing(fault_fits, kin
 def test_on_nonfinite_raise_reports_the_global_step(fault_fits, mode):
     _, thr = fault_fits
     model, optimizer, _ = make("perceptron", "adam")
-    fit = sf.fuse(fault_loss(model), optimizer, steps=12, chunk=CHUNK, mode=mode, on_nonfinite="raise")
+    fit = sf.fuse(
+        fault_loss(model), optimizer, steps=12, chunk=CHUNK, mode=mode, on_nonfinite="raise"
+    )
     assert fit(X, Y, torch.tensor(0), torch.tensor(0.0), steps=2).steps == 2  # clean call first
     reset("perceptron", model, optimizer)  # start again from step 0 of the trajectory ...
     fit.step = 0  # ... and of the counter
@@ -235,7 +257,9 @@ def test_checkpoint_restored_in_a_new_process_continues_bitwise(tmp_path):
              stop=int(trace.stop))
         """
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     model2, optimizer2, fit2 = ck_make()
     final = ck_load(out, model2, optimizer2, fit2)
@@ -260,8 +284,15 @@ def test_weights_only_loading_refuses_a_checkpoint_with_a_pickled_object(tmp_pat
     fit(X, Y, steps=2)
     marker = tmp_path / "code-was-run"
     bad = tmp_path / "bad.pt"
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": fit.step,
-                "extra": Evil(str(marker))}, bad)
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "step": fit.step,
+            "extra": Evil(str(marker)),
+        },
+        bad,
+    )
     before = params_of(model)
     with pytest.raises(pickle.UnpicklingError, match="[Ww]eights only load failed"):
         ck_load(bad, model, optimizer, fit)
@@ -288,7 +319,9 @@ def test_fused_checkpoint_round_trip_is_bitwise(fused_adam, tmp_path):
     ref_params, ref_state = params_of(model), opt_tensors(optimizer)
     reset("perceptron", model, optimizer)
     first = fit(X, Y, steps=N).loss
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "c.pt")
+    torch.save(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "c.pt"
+    )
     reset("perceptron", model, optimizer)  # wipe: fresh parameters, empty state
     reference_steps(model, optimizer, 3)  # and some other state in place
     ckpt = torch.load(tmp_path / "c.pt", weights_only=True)
@@ -335,7 +368,9 @@ def test_splitting_the_steps_into_calls(fused_adam):
     vectorizes the arithmetic differently): bounded by 1e-6 relative.
     """
     model, optimizer, fit = fused_adam
-    runs = {str(split): run_split(model, optimizer, fit, split) for split in ([12], [4] * 3, [1] * 12)}
+    runs = {
+        str(split): run_split(model, optimizer, fit, split) for split in ([12], [4] * 3, [1] * 12)
+    }
     ref = runs["[12]"]
     for name, (p, s, loss) in runs.items():
         assert_bitwise(p, ref[0])

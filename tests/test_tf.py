@@ -6,11 +6,11 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from tf_helpers import LN2, OPTIMIZERS, Perceptron, make_problem, reference_steps, seed_data, values
+from tol_checks import assert_tol_stops_where_the_recorded_losses_say
 
 import stepfuse.tf as sf
 from stepfuse import NonFiniteError, Stop
-from tol_checks import assert_tol_stops_where_the_recorded_losses_say
-from tf_helpers import LN2, OPTIMIZERS, Perceptron, make_problem, reference_steps, seed_data, values
 
 # float32 on CPU: XLA fuses/reassociates reductions, so single losses differ by ~1 ulp from
 # eager TF (e.g. ln 2 = 0.6931474 vs 0.6931472); rtol=1e-6 is the project's contract.
@@ -58,8 +58,13 @@ def test_tol_at_the_last_bit_stops_where_the_recorded_losses_say(dtype, data):
 
     def run(tol):
         one = Perceptron(dtype=dtype)
-        fit = sf.fuse(lambda x, y: tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, one(x))),
-                      keras.optimizers.Adam(0.05), one, steps=60, tol=tol)
+        fit = sf.fuse(
+            lambda x, y: tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, one(x))),
+            keras.optimizers.Adam(0.05),
+            one,
+            steps=60,
+            tol=tol,
+        )
         return fit(x, y)
 
     assert_tol_stops_where_the_recorded_losses_say(run, run(None).loss)
@@ -75,18 +80,26 @@ def test_float64_losses_stay_float64_and_tol_compares_them(jit, data):
         k = tf.Variable(tf.ones((2, 2), tf.float64))
         b = tf.Variable(tf.zeros((2,), tf.float64))
         return [k, b], lambda x, y: tf.reduce_mean(
-            tf.nn.sparse_softmax_cross_entropy_with_logits(y, tf.matmul(x, k) + b))
+            tf.nn.sparse_softmax_cross_entropy_with_logits(y, tf.matmul(x, k) + b)
+        )
 
     ref_vars, ref_loss = build()
     ref = reference_steps(ref_loss, keras.optimizers.SGD(1e-6), ref_vars, x, y, 20)
     assert np.all(np.abs(np.diff(ref)) > 1e-8)
     variables, loss_fn = build()
-    trace = sf.fuse(loss_fn, keras.optimizers.SGD(1e-6), variables, steps=20, tol=1e-8, jit_compile=jit)(x, y)
+    trace = sf.fuse(
+        loss_fn, keras.optimizers.SGD(1e-6), variables, steps=20, tol=1e-8, jit_compile=jit
+    )(x, y)
     assert trace.stop == Stop.STEPS and trace.steps == 20 and trace.loss.dtype == np.float64
     np.testing.assert_allclose(trace.loss, ref, rtol=1e-12)
     one = Perceptron()  # a float32 loss keeps a float32 trace
-    fit = sf.fuse(lambda x, y: tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, one(x))),
-                  keras.optimizers.SGD(0.01), one, steps=3, jit_compile=jit)
+    fit = sf.fuse(
+        lambda x, y: tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, one(x))),
+        keras.optimizers.SGD(0.01),
+        one,
+        steps=3,
+        jit_compile=jit,
+    )
     assert fit(*data).loss.dtype == np.float32
 
 
@@ -96,11 +109,23 @@ def test_refused_step_leaves_batchnorm_statistics_as_before_it(mode, jit, data):
     update is refused: they are put back with the parameters (the model was passed whole)."""
     x, y = data
     keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(4), keras.layers.BatchNormalization(),
-                              keras.layers.Dense(2)])
+    model = keras.Sequential(
+        [
+            keras.Input((2,)),
+            keras.layers.Dense(4),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(2),
+        ]
+    )
     ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    fit = sf.fuse(lambda a, b: ce(b, model(a, training=True)), keras.optimizers.Adam(0.01), model, steps=3,
-                  mode=mode, jit_compile=jit)
+    fit = sf.fuse(
+        lambda a, b: ce(b, model(a, training=True)),
+        keras.optimizers.Adam(0.01),
+        model,
+        steps=3,
+        mode=mode,
+        jit_compile=jit,
+    )
     assert fit(x, y).steps == 3
     before = values(model.variables)
     bad = x.numpy().copy()
@@ -115,12 +140,20 @@ def test_refused_step_leaves_batchnorm_statistics_as_before_it(mode, jit, data):
 def test_seed_table_three_step_rows_equal_every_third_one_step_row(data):
     x, y = data
     one = Perceptron()
-    fit1 = sf.fuse(lambda x, y: tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, one(x))),
-                   keras.optimizers.SGD(0.01), one, steps=1)
+    fit1 = sf.fuse(
+        lambda x, y: tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, one(x))),
+        keras.optimizers.SGD(0.01),
+        one,
+        steps=1,
+    )
     rows1 = [fit1(x, y).loss[0] for _ in range(30)]
     three = Perceptron()
-    fit3 = sf.fuse(lambda x, y: tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, three(x))),
-                   keras.optimizers.SGD(0.01), three, steps=3)
+    fit3 = sf.fuse(
+        lambda x, y: tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, three(x))),
+        keras.optimizers.SGD(0.01),
+        three,
+        steps=3,
+    )
     rows3 = [fit3(x, y).loss[0] for _ in range(10)]
     np.testing.assert_allclose(rows3, rows1[::3], rtol=RTOL, atol=1e-6)
     assert abs(rows1[0] - LN2) < 1e-6 and rows3[1] < rows3[0]
@@ -190,10 +223,14 @@ def test_dropout_draws_the_same_masks_in_both_modes(jit, data):
         hidden = keras.layers.Dropout(0.3, seed=1)(keras.layers.Dense(8, activation="relu")(inputs))
         model = keras.Model(inputs, keras.layers.Dense(2)(hidden))
         loss_fn = lambda x, y, model=model: tf.reduce_mean(  # noqa: E731
-            tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x, training=True)))
-        fit = sf.fuse(loss_fn, keras.optimizers.SGD(0.05), model, steps=4, jit_compile=jit, mode=mode)
+            tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x, training=True))
+        )
+        fit = sf.fuse(
+            loss_fn, keras.optimizers.SGD(0.05), model, steps=4, jit_compile=jit, mode=mode
+        )
         out[mode] = np.concatenate([fit(x, y).loss, fit(x, y, steps=2).loss])
     np.testing.assert_allclose(out["fused"], out["stepwise"], rtol=RTOL, atol=ATOL)
+
 
 @pytest.mark.parametrize("mode", ["fused", "stepwise"])
 def test_an_op_xla_cannot_compile_falls_back_with_a_warning_at_the_call(mode, data):
@@ -203,7 +240,9 @@ def test_an_op_xla_cannot_compile_falls_back_with_a_warning_at_the_call(mode, da
     _, variables, loss_fn = make_problem("perceptron")
 
     def with_host_op(x, y):  # a Python function on the host: XLA refuses it
-        count = tf.reshape(tf.numpy_function(lambda v: np.int64(v.size), [y], tf.int64, stateful=False), [])
+        count = tf.reshape(
+            tf.numpy_function(lambda v: np.int64(v.size), [y], tf.int64, stateful=False), []
+        )
         return loss_fn(x, y) + 0.0 * tf.cast(count, tf.float32)
 
     fit = sf.fuse(with_host_op, keras.optimizers.SGD(0.1), variables, steps=3, mode=mode)
@@ -213,6 +252,7 @@ def test_an_op_xla_cannot_compile_falls_back_with_a_warning_at_the_call(mode, da
     losses += list(fit(x, y, steps=1).loss)
     np.testing.assert_allclose(losses, ref, rtol=RTOL, atol=ATOL)
 
+
 @pytest.mark.parametrize("mode", ["fused", "stepwise"])
 def test_nested_batches_reach_loss_fn_as_given(mode, data):
     """A dict or a tuple of tensors of different dtypes as one batch argument, as Keras
@@ -221,17 +261,22 @@ def test_nested_batches_reach_loss_fn_as_given(mode, data):
     _, ref_vars, ref_loss = make_problem("perceptron")
     ref = reference_steps(ref_loss, keras.optimizers.SGD(0.1), ref_vars, x, y, 5)
     _, variables, loss_fn = make_problem("perceptron")
-    fit = sf.fuse(lambda b: loss_fn(b["x"], b["y"]), keras.optimizers.SGD(0.1), variables, steps=3, mode=mode)
+    fit = sf.fuse(
+        lambda b: loss_fn(b["x"], b["y"]), keras.optimizers.SGD(0.1), variables, steps=3, mode=mode
+    )
     losses = np.concatenate([fit({"x": x, "y": y}).loss, fit({"x": x, "y": y}, steps=2).loss])
     np.testing.assert_allclose(losses, ref, rtol=RTOL, atol=ATOL)
     for a, b in zip(values(variables), values(ref_vars)):
         np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
     if mode == "fused":
         assert fit.traces == 1
-    pairs = sf.fuse(lambda xy: loss_fn(*xy), keras.optimizers.SGD(0.1), variables, steps=2, mode=mode)
+    pairs = sf.fuse(
+        lambda xy: loss_fn(*xy), keras.optimizers.SGD(0.1), variables, steps=2, mode=mode
+    )
     assert pairs((x, y)).steps == 2  # float32 and int32 tensors in one tuple
     with pytest.raises(TypeError, match="`batch` must hold dense tensors; got a SparseTensor"):
         fit({"x": tf.sparse.from_dense(x), "y": y})
+
 
 @pytest.mark.parametrize("mode", ["fused", "stepwise"])
 def test_a_learning_rate_replaced_between_calls_is_used(mode, data):
@@ -253,6 +298,7 @@ def test_a_learning_rate_replaced_between_calls_is_used(mode, data):
     np.testing.assert_allclose(losses, ref, rtol=RTOL, atol=ATOL)
     for a, b in zip(values(variables), values(ref_vars)):
         np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+
 
 @pytest.mark.parametrize("mode", ["fused", "stepwise"])
 def test_tol_stops_early_like_the_stepwise_oracle(mode, data):
@@ -324,7 +370,10 @@ def test_finiteness_check_is_exact_for_large_values_mixed_dtypes_and_sparse_grad
         ([big, half, wide, sparse, count, None], True),
         ([big, tf.constant([1.0, np.inf])], False),
         ([wide, tf.constant([np.nan], tf.float16)], False),
-        ([tf.IndexedSlices(tf.constant([[-np.inf]]), tf.constant([1]), tf.constant([2, 1]))], False),
+        (
+            [tf.IndexedSlices(tf.constant([[-np.inf]]), tf.constant([1]), tf.constant([2, 1]))],
+            False,
+        ),
         ([tf.constant(np.nan, tf.float64)], False),
         ([count], True),
     ]
@@ -338,8 +387,14 @@ def test_callback_fires_inside_the_loop_at_global_steps(data):
     x, y = data
     _, variables, loss_fn = make_problem("perceptron")
     seen = []
-    fit = sf.fuse(loss_fn, keras.optimizers.SGD(0.01), variables, steps=7, every=3,
-                  callback=lambda step, loss: seen.append((step, loss)))
+    fit = sf.fuse(
+        loss_fn,
+        keras.optimizers.SGD(0.01),
+        variables,
+        steps=7,
+        every=3,
+        callback=lambda step, loss: seen.append((step, loss)),
+    )
     t1 = fit(x, y)
     t2 = fit(x, y, steps=5)
     losses = np.concatenate([t1.loss, t2.loss])
@@ -358,7 +413,9 @@ def test_raising_callback_reaches_the_caller(data):
         if step == 4:
             raise Boom(f"stop at {step}")
 
-    fit = sf.fuse(loss_fn, keras.optimizers.SGD(0.01), variables, steps=10, every=2, callback=callback)
+    fit = sf.fuse(
+        loss_fn, keras.optimizers.SGD(0.01), variables, steps=10, every=2, callback=callback
+    )
     with pytest.raises(Boom, match="stop at 4"):
         fit(x, y)
     assert fit.step == 4
@@ -383,8 +440,15 @@ def test_progress_alone_is_published_from_the_loop_for_a_thread_to_read(data, ca
     assert fit._published.numpy()[0] == 40
     assert "10/10" in capsys.readouterr().out
     seen = []
-    both = sf.fuse(loss_fn, keras.optimizers.SGD(0.01), variables, steps=30, progress=True, every=7,
-                   callback=lambda s, l: seen.append(s))
+    both = sf.fuse(
+        loss_fn,
+        keras.optimizers.SGD(0.01),
+        variables,
+        steps=30,
+        progress=True,
+        every=7,
+        callback=lambda s, l: seen.append(s),
+    )
     both(x, y)
     assert both._published is None and seen == [7, 14, 21, 28]
 
@@ -399,22 +463,38 @@ def test_a_bar_alone_ends_chunks_at_multiples_of_every_paced_by_time(with_callba
     from stepfuse.tf import _PUBLISH_SECONDS, _outer_loop
 
     n, every = 100_000, 10
-    opts = check_options(n, None, 1, (lambda s, l: None) if with_callback else None, every,
-                         not with_callback, "stop", "fused")
+    opts = check_options(
+        n,
+        None,
+        1,
+        (lambda s, l: None) if with_callback else None,
+        every,
+        not with_callback,
+        "stop",
+        "fused",
+    )
     chunks = []
 
     def inner(m, i0, prev):
-        seen = tf.numpy_function(lambda i, m: chunks.append((int(i), int(m))) or np.int32(0),
-                                 [i0, m], tf.int32)
+        seen = tf.numpy_function(
+            lambda i, m: chunks.append((int(i), int(m))) or np.int32(0), [i0, m], tf.int32
+        )
         with tf.control_dependencies([seen]):
             m = tf.identity(m)
         return tf.zeros([every]), tf.minimum(m, every), m, m, tf.constant(0), prev
 
     published = tf.Variable([math.nan, math.nan], dtype=tf.float64)
-    run = tf.function(lambda: _outer_loop(
-        inner, tf.constant(n), tf.constant(0, tf.int64), opts, n,
-        notify=(lambda s, l: np.int32(1)) if with_callback else None,
-        publish=None if with_callback else published))
+    run = tf.function(
+        lambda: _outer_loop(
+            inner,
+            tf.constant(n),
+            tf.constant(0, tf.int64),
+            opts,
+            n,
+            notify=(lambda s, l: np.int32(1)) if with_callback else None,
+            publish=None if with_callback else published,
+        )
+    )
     _, applied, stop, _ = run()
     assert int(applied) == n and int(stop) == 0
     ends = [i + m for i, m in chunks]
@@ -429,16 +509,31 @@ def test_a_bar_alone_ends_chunks_at_multiples_of_every_paced_by_time(with_callba
         # 40,000 steps/s -> 10,000 steps (a multiple of `every`), not 10.
         chunks.clear()
         speed = 40_000 / (_PUBLISH_SECONDS / 0.25)
-        tf.function(lambda: _outer_loop(inner, tf.constant(n), tf.constant(0, tf.int64), opts, n,
-                                        publish=published, speed=tf.constant(speed, tf.float64)))()
+        tf.function(
+            lambda: _outer_loop(
+                inner,
+                tf.constant(n),
+                tf.constant(0, tf.int64),
+                opts,
+                n,
+                publish=published,
+                speed=tf.constant(speed, tf.float64),
+            )
+        )()
         assert chunks[0] == (0, 10_000), chunks
         assert sum(m for _, m in chunks) == n
 
 
 @pytest.mark.parametrize("record_every", [1, 3])
-@pytest.mark.parametrize("notify", [{"progress": True}, {"callback": lambda s, l: None},
-                                    {"progress": True, "callback": lambda s, l: None}],
-                         ids=["bar", "callback", "both"])
+@pytest.mark.parametrize(
+    "notify",
+    [
+        {"progress": True},
+        {"callback": lambda s, l: None},
+        {"progress": True, "callback": lambda s, l: None},
+    ],
+    ids=["bar", "callback", "both"],
+)
 def test_notifications_leave_the_results_unchanged(notify, record_every, data, capsys):
     # A bar alone runs chunks sized by time, a callback chunks ending at each multiple of
     # `every`: the trace and the variables must not see the difference.
@@ -446,8 +541,14 @@ def test_notifications_leave_the_results_unchanged(notify, record_every, data, c
     results = []
     for options in ({}, dict(every=7, **notify)):
         _, variables, loss_fn = make_problem("perceptron")
-        fit = sf.fuse(loss_fn, keras.optimizers.Adam(0.05), variables, steps=300,
-                      record_every=record_every, **options)
+        fit = sf.fuse(
+            loss_fn,
+            keras.optimizers.Adam(0.05),
+            variables,
+            steps=300,
+            record_every=record_every,
+            **options,
+        )
         results.append((fit(x, y), fit(x, y, steps=50), values(variables)))
     (a1, a2, va), (b1, b2, vb) = results
     for ta, tb, n in ((a1, b1, 300), (a2, b2, 50)):
@@ -457,7 +558,9 @@ def test_notifications_leave_the_results_unchanged(notify, record_every, data, c
         np.testing.assert_array_equal(a, b)
 
 
-def test_a_call_longer_than_one_compiled_chunk_chains_chunks_with_the_same_results(data, monkeypatch):
+def test_a_call_longer_than_one_compiled_chunk_chains_chunks_with_the_same_results(
+    data, monkeypatch
+):
     x, y = data
     results = []
     for min_chunk in (8, sf._TF2_MIN_CHUNK):  # 50 steps: 7 chained chunks, then one
@@ -474,7 +577,9 @@ def test_a_call_longer_than_one_compiled_chunk_chains_chunks_with_the_same_resul
 
 
 @pytest.mark.parametrize("record_every", [1, 3])
-def test_xla_trace_is_gathered_in_small_chunks_with_the_losses_of_the_plain_loop(record_every, data, monkeypatch):
+def test_xla_trace_is_gathered_in_small_chunks_with_the_losses_of_the_plain_loop(
+    record_every, data, monkeypatch
+):
     # Under XLA the losses gather _XLA_CHUNK at a time before each copy into the trace;
     # without XLA they go straight into a TensorArray. 230 steps cross many of those small
     # chunks, and chained compiled chunks of 37 steps start them at odd step indices.
@@ -483,8 +588,14 @@ def test_xla_trace_is_gathered_in_small_chunks_with_the_losses_of_the_plain_loop
     for jit, min_chunk in ((True, sf._TF2_MIN_CHUNK), (True, 37), (False, sf._TF2_MIN_CHUNK)):
         monkeypatch.setattr(sf, "_TF2_MIN_CHUNK", min_chunk)
         _, variables, loss_fn = make_problem("perceptron")
-        fit = sf.fuse(loss_fn, keras.optimizers.Adam(0.01), variables, steps=5,
-                      record_every=record_every, jit_compile=jit)
+        fit = sf.fuse(
+            loss_fn,
+            keras.optimizers.Adam(0.01),
+            variables,
+            steps=5,
+            record_every=record_every,
+            jit_compile=jit,
+        )
         results[jit, min_chunk] = fit(x, y, steps=230), values(variables)
     (one, v_one), (chained, v_chained), (plain, v_plain) = results.values()
     assert one.steps == chained.steps == plain.steps == 230
@@ -497,7 +608,9 @@ def test_xla_trace_is_gathered_in_small_chunks_with_the_losses_of_the_plain_loop
         np.testing.assert_allclose(a, c, rtol=RTOL, atol=ATOL)
 
 
-def test_calls_within_the_chunk_run_one_program_and_longer_ones_a_second_traced_once(data, monkeypatch):
+def test_calls_within_the_chunk_run_one_program_and_longer_ones_a_second_traced_once(
+    data, monkeypatch
+):
     x, y = data
     monkeypatch.setattr(sf, "_TF2_MIN_CHUNK", 8)
     _, variables, loss_fn = make_problem("perceptron")
@@ -546,14 +659,18 @@ class _NotKeras:
         return grads, state
 
 
-@pytest.mark.parametrize("bad", [_NotKeras(), tf.compat.v1.train.GradientDescentOptimizer(0.1), "adam"])
+@pytest.mark.parametrize(
+    "bad", [_NotKeras(), tf.compat.v1.train.GradientDescentOptimizer(0.1), "adam"]
+)
 def test_optimizer_not_keras_is_rejected(bad):
     w, loss = _quadratic([1.0])
     with pytest.raises(TypeError, match="`optimizer`.*keras.optimizers.SGD"):
         sf.fuse(loss, bad, [w], steps=3)
 
 
-@pytest.mark.parametrize("case", ["empty", "not_trainable", "integer", "not_a_variable", "unbuilt_model"])
+@pytest.mark.parametrize(
+    "case", ["empty", "not_trainable", "integer", "not_a_variable", "unbuilt_model"]
+)
 def test_bad_variables_are_rejected(case):
     bad = {
         "empty": [],
@@ -567,10 +684,16 @@ def test_bad_variables_are_rejected(case):
     assert "got" in str(err.value) and "Pass" in str(err.value) or "Build" in str(err.value)
 
 
-@pytest.mark.parametrize("kwargs, name", [({"steps": 0}, "steps"), ({"steps": 3, "tol": -1.0}, "tol"),
-                                          ({"steps": 3, "record_every": 0}, "record_every"),
-                                          ({"steps": 3, "every": 2}, "every"),
-                                          ({"steps": 3, "jit_compile": "yes"}, "jit_compile")])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"steps": 0}, "steps"),
+        ({"steps": 3, "tol": -1.0}, "tol"),
+        ({"steps": 3, "record_every": 0}, "record_every"),
+        ({"steps": 3, "every": 2}, "every"),
+        ({"steps": 3, "jit_compile": "yes"}, "jit_compile"),
+    ],
+)
 def test_bad_options_are_rejected(kwargs, name):
     w, loss = _quadratic([1.0])
     with pytest.raises((TypeError, ValueError), match=f"`{name}`"):

@@ -4,16 +4,15 @@ Every graph is built inside ``with tf.Graph().as_default():`` and run with
 ``tf.compat.v1.Session(graph=...)``, so eager execution stays on for the TF2 tests.
 """
 
-
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from tf_helpers import LN2, seed_data, seed_graph, sparse_ce
+from tol_checks import assert_tol_stops_where_the_recorded_losses_say
 
 import stepfuse.tf.v1 as v1
 from stepfuse import Stop
-from tol_checks import assert_tol_stops_where_the_recorded_losses_say
-from tf_helpers import LN2, seed_data, seed_graph, sparse_ce
 
 tf1 = tf.compat.v1
 XS, YS = seed_data()
@@ -116,7 +115,9 @@ def test_int_steps_up_to_the_chunk_run_one_chunk_and_others_chain_chunks():
     # A tensor `steps` chains chunks of 4 inside one run: 11 steps equal the reference.
     g2, s2, f2, x2, y2 = seed_graph("placeholder", chunk=4)
     assert f2.max_steps is None
-    losses, applied, _ = s2.run([f2.losses, f2.steps_taken, f2.train_op], {**feed(x2, y2), f2.steps: 11})
+    losses, applied, _ = s2.run(
+        [f2.losses, f2.steps_taken, f2.train_op], {**feed(x2, y2), f2.steps: 11}
+    )
     gr, sr, fr, xr, yr = seed_graph(1, kind="stepwise")
     ref = fr.run(sr, feed(xr, yr), steps=11)
     assert applied == 11
@@ -155,8 +156,9 @@ def _keras_or_variable_graph(opt_fn, kind, steps, use_keras):
         x = tf1.placeholder(tf.float32, [None, 2])
         y = tf1.placeholder(tf.int32, [None])
         if use_keras:
-            hidden = keras.layers.Dense(8, activation="tanh",
-                                        kernel_initializer=keras.initializers.GlorotUniform(seed=0))
+            hidden = keras.layers.Dense(
+                8, activation="tanh", kernel_initializer=keras.initializers.GlorotUniform(seed=0)
+            )
             out = keras.layers.Dense(2, kernel_initializer="ones")
             tf1.set_random_seed(0)
 
@@ -176,9 +178,11 @@ def _keras_or_variable_graph(opt_fn, kind, steps, use_keras):
     return g, s, f, x, y
 
 
-
-@pytest.mark.parametrize("steps, jit", [(50, True), (50, False), ("placeholder", True)],
-                         ids=["int-xla", "int-noxla", "tensor"])
+@pytest.mark.parametrize(
+    "steps, jit",
+    [(50, True), (50, False), ("placeholder", True)],
+    ids=["int-xla", "int-noxla", "tensor"],
+)
 def test_loss_fetched_with_the_loop_is_the_loss_before_the_run(steps, jit):
     """As ``sess.run([loss, optimizer.minimize(loss)])``: ``fused.loss`` fetched in the
     loop's run is the loss before its updates (it was read at a race with the loop, ~half
@@ -192,6 +196,7 @@ def test_loss_fetched_with_the_loop_is_the_loss_before_the_run(steps, jit):
         loss, losses, _ = s.run([f.loss, f.losses, f.train_op], fed)
         assert loss == before and len(losses) == 50 and losses[-1] < losses[0]
         np.testing.assert_allclose(losses[0], loss, rtol=1e-6)
+
 
 @pytest.mark.parametrize("use_keras", [False, True], ids=["get_variable", "keras_layers"])
 @pytest.mark.parametrize("opt", list(V1_OPTIMIZERS))
@@ -212,9 +217,12 @@ def test_optimizers_with_slots_match_the_stepwise_reference(opt, use_keras):
 
 
 def test_tol_stops_early_like_the_stepwise_oracle():
-    g, s, f, x, y = seed_graph(2000, tol=1e-5, optimizer=lambda: tf1.train.GradientDescentOptimizer(0.5))
-    gr, sr, fr, xr, yr = seed_graph(2000, kind="stepwise", tol=1e-5,
-                                    optimizer=lambda: tf1.train.GradientDescentOptimizer(0.5))
+    g, s, f, x, y = seed_graph(
+        2000, tol=1e-5, optimizer=lambda: tf1.train.GradientDescentOptimizer(0.5)
+    )
+    gr, sr, fr, xr, yr = seed_graph(
+        2000, kind="stepwise", tol=1e-5, optimizer=lambda: tf1.train.GradientDescentOptimizer(0.5)
+    )
     trace, ref = f.run(s, feed(x, y)), fr.run(sr, feed(xr, yr))
     assert trace.stop == ref.stop == Stop.TOL and 1 < trace.steps == ref.steps < 2000
     np.testing.assert_allclose(trace.loss, ref.loss, rtol=1e-6, atol=1e-7)
@@ -231,7 +239,9 @@ def float64_seed_run(optimizer, steps, steps_kind="int", **kw):
             steps = tf1.placeholder_with_default(steps, [])
 
         def loss_fn():
-            k = tf1.get_variable("kernel", initializer=tf.ones((2, 2), tf.float64), dtype=tf.float64)
+            k = tf1.get_variable(
+                "kernel", initializer=tf.ones((2, 2), tf.float64), dtype=tf.float64
+            )
             b = tf1.get_variable("bias", initializer=tf.zeros((2,), tf.float64), dtype=tf.float64)
             return sparse_ce(y, tf.matmul(x, k) + b)
 
@@ -246,9 +256,15 @@ def float64_seed_run(optimizer, steps, steps_kind="int", **kw):
 def test_tol_at_the_last_bit_stops_where_the_recorded_losses_say(steps_kind):
     """float64, whose comparison XLA could round apart from the recorded loss; a tensor
     `steps` runs chunks of 7 steps, so the tols also fall across chunk boundaries."""
+
     def run(tol):
-        return float64_seed_run(tf1.train.AdamOptimizer(0.05), 60, steps_kind, tol=tol,
-                                chunk=None if steps_kind == "int" else 7)
+        return float64_seed_run(
+            tf1.train.AdamOptimizer(0.05),
+            60,
+            steps_kind,
+            tol=tol,
+            chunk=None if steps_kind == "int" else 7,
+        )
 
     assert_tol_stops_where_the_recorded_losses_say(run, run(None).loss)
 
@@ -257,8 +273,11 @@ def test_tol_at_the_last_bit_stops_where_the_recorded_losses_say(steps_kind):
 def test_float64_losses_stay_float64_and_tol_compares_them(steps_kind):
     """As in TF2: losses 5e-8 apart, tol=1e-8, 20 steps; the plain sess.run loop and the
     stepwise reference run all 20 (a float32 trace stopped after 3)."""
+
     def graph(kind):
-        return float64_seed_run(tf1.train.GradientDescentOptimizer(1e-6), 20, steps_kind, tol=1e-8, mode=kind)
+        return float64_seed_run(
+            tf1.train.GradientDescentOptimizer(1e-6), 20, steps_kind, tol=1e-8, mode=kind
+        )
 
     trace, ref = graph("fused"), graph("stepwise")
     assert trace.stop == ref.stop == Stop.STEPS and trace.steps == ref.steps == 20
@@ -269,6 +288,7 @@ def test_float64_losses_stay_float64_and_tol_compares_them(steps_kind):
 def _quadratic_graph(kind, lr, start, steps):
     g = tf.Graph()
     with g.as_default():
+
         def loss_fn():
             w = tf1.get_variable("w", initializer=tf.constant(start))
             return tf.reduce_sum(w * w)
@@ -280,7 +300,9 @@ def _quadratic_graph(kind, lr, start, steps):
     return s, f
 
 
-@pytest.mark.parametrize("lr, start", [(10.0, [1.0, -2.0]), (1e30, [1e9, 1e9])], ids=["loss_inf", "update_inf"])
+@pytest.mark.parametrize(
+    "lr, start", [(10.0, [1.0, -2.0]), (1e30, [1e9, 1e9])], ids=["loss_inf", "update_inf"]
+)
 def test_nonfinite_stops_without_applying(lr, start):
     s, f = _quadratic_graph("fused", lr, start, 100)
     sr, fr = _quadratic_graph("stepwise", lr, start, 100)
@@ -313,11 +335,20 @@ def _w():
     return tf1.get_variable("w", initializer=tf.constant([1.0, 2.0]))
 
 
-@pytest.mark.parametrize("case, name", [
-    ("keras_optimizer", "optimizer"), ("vector_loss", "loss_fn"), ("int_loss", "loss_fn"),
-    ("no_gradient", "loss_fn"), ("empty_var_list", "var_list"), ("int_var", "var_list"),
-    ("steps_zero", "steps"), ("steps_float_tensor", "steps"), ("tol", "tol"),
-])
+@pytest.mark.parametrize(
+    "case, name",
+    [
+        ("keras_optimizer", "optimizer"),
+        ("vector_loss", "loss_fn"),
+        ("int_loss", "loss_fn"),
+        ("no_gradient", "loss_fn"),
+        ("empty_var_list", "var_list"),
+        ("int_var", "var_list"),
+        ("steps_zero", "steps"),
+        ("steps_float_tensor", "steps"),
+        ("tol", "tol"),
+    ],
+)
 def test_bad_input_names_the_argument(case, name):
     with tf.Graph().as_default():
         opt = tf1.train.GradientDescentOptimizer(0.1)
@@ -333,7 +364,7 @@ def test_bad_input_names_the_argument(case, name):
             v = tf1.get_variable("v", initializer=tf.constant([3.0]))
             w = _w()
             kw["var_list"] = [v, w]
-            loss = lambda: tf.reduce_sum(w ** 2)  # noqa: E731  (never reads v)
+            loss = lambda: tf.reduce_sum(w**2)  # noqa: E731  (never reads v)
         elif case == "empty_var_list":
             kw["var_list"] = []
         elif case == "int_var":
@@ -354,7 +385,12 @@ def test_small_n_benchmark_script_times_every_contender(capsys, benchmark_script
     script = benchmark_script("tf1_small_n")
     script.main(["--steps", "2", "--instances", "1", "--rounds", "1", "--runs", "1"])
     out = capsys.readouterr().out
-    for row in ("stepfuse", "N copies (seed answer)", "sess.run of a constant", "stepfuse / N copies:"):
+    for row in (
+        "stepfuse",
+        "N copies (seed answer)",
+        "sess.run of a constant",
+        "stepfuse / N copies:",
+    ):
         assert row in out
 
 
@@ -362,6 +398,7 @@ def test_var_list_none_trains_the_variables_the_loss_reads_as_minimize_does():
     """Two models in one graph, each fused with var_list=None: each trains its own
     variables, as optimizer.minimize(loss) does (the first was refused: no gradient
     reaches the second model's variables)."""
+
     def build(kind):
         g = tf.Graph()
         with g.as_default():
@@ -369,7 +406,9 @@ def test_var_list_none_trains_the_variables_the_loss_reads_as_minimize_does():
             y = tf1.placeholder(tf.int32, [None])
             out = {}
             for name in ("a", "b"):
-                k = tf1.get_variable(f"k_{name}", initializer=tf.constant([[1.0, 0.5], [-0.5, 1.0]]))
+                k = tf1.get_variable(
+                    f"k_{name}", initializer=tf.constant([[1.0, 0.5], [-0.5, 1.0]])
+                )
                 loss_fn = lambda k=k: sparse_ce(y, tf.matmul(x, k))  # noqa: E731
                 opt = tf1.train.MomentumOptimizer(0.1 if name == "a" else 0.3, 0.9)
                 if kind == "fused":
@@ -399,14 +438,18 @@ def test_a_keras_layer_made_inside_loss_fn_gets_the_fix():
         x = tf1.placeholder(tf.float32, [None, 2])
         y = tf1.placeholder(tf.int32, [None])
         with pytest.raises(ValueError, match="make them once before fuse, outside loss_fn"):
-            v1.fuse(lambda: sparse_ce(y, keras.layers.Dense(2)(x)), tf1.train.GradientDescentOptimizer(0.1),
-                    steps=3)
+            v1.fuse(
+                lambda: sparse_ce(y, keras.layers.Dense(2)(x)),
+                tf1.train.GradientDescentOptimizer(0.1),
+                steps=3,
+            )
 
 
 @pytest.mark.parametrize("kind", ["fused", "stepwise"])
 def test_global_step_counts_applied_updates_and_drives_a_callable_schedule(kind):
     """As minimize(loss, global_step=gs): each applied update increments it, and a learning
     rate given as a callable of it decays at every step of a run (fuse had no global_step)."""
+
     def build(how):
         g = tf.Graph()
         with g.as_default():
@@ -414,7 +457,9 @@ def test_global_step_counts_applied_updates_and_drives_a_callable_schedule(kind)
             y = tf1.placeholder(tf.int32, [None])
             k = tf1.get_variable("k", initializer=tf.constant([[1.0, 0.5], [-0.5, 1.0]]))
             gs = tf1.train.get_or_create_global_step()
-            opt = tf1.train.GradientDescentOptimizer(lambda: tf1.train.exponential_decay(0.5, gs, 1, 0.5))
+            opt = tf1.train.GradientDescentOptimizer(
+                lambda: tf1.train.exponential_decay(0.5, gs, 1, 0.5)
+            )
             loss_fn = lambda: sparse_ce(y, tf.matmul(x, k))  # noqa: E731
             if how == "plain":
                 loss = loss_fn()
@@ -440,19 +485,26 @@ def test_a_learning_rate_tensor_of_the_global_step_is_named_as_read_once_per_run
         gs = tf1.train.get_or_create_global_step()
         w = tf1.get_variable("w", initializer=tf.ones([2]))
         opt = tf1.train.GradientDescentOptimizer(tf1.train.exponential_decay(0.5, gs, 1, 0.5))
-        with pytest.warns(RuntimeWarning, match="learning_rate is a tensor computed from a variable"):
-            v1.fuse(lambda: tf.reduce_sum(w ** 2), opt, steps=3, global_step=gs)
+        with pytest.warns(
+            RuntimeWarning, match="learning_rate is a tensor computed from a variable"
+        ):
+            v1.fuse(lambda: tf.reduce_sum(w**2), opt, steps=3, global_step=gs)
         with pytest.raises(TypeError, match="`global_step`"):
-            v1.fuse(lambda: tf.reduce_sum(w ** 2), opt, steps=3, global_step=3)
+            v1.fuse(lambda: tf.reduce_sum(w**2), opt, steps=3, global_step=3)
 
 
-@pytest.mark.parametrize("kind, steps", [("fused", 5), ("fused", "placeholder"), ("stepwise", 5)],
-                         ids=["int", "tensor", "stepwise"])
+@pytest.mark.parametrize(
+    "kind, steps",
+    [("fused", 5), ("fused", "placeholder"), ("stepwise", 5)],
+    ids=["int", "tensor", "stepwise"],
+)
 def test_callback_every_k_updates_with_global_step_numbers_across_runs(kind, steps):
     """callback/every as in the other backends (TF1 had none): the host is called between
     chunks of the compiled loop, numbered over runs, bare sess.run included."""
     got = []
-    g, s, f, x, y = seed_graph(steps, kind=kind, callback=lambda step, loss: got.append((step, loss)), every=2)
+    g, s, f, x, y = seed_graph(
+        steps, kind=kind, callback=lambda step, loss: got.append((step, loss)), every=2
+    )
     fed = feed(x, y)
     losses = []
     for n in (5, 3):

@@ -15,11 +15,24 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from torch_helpers import (
+    OPTIMIZERS,
+    STATE_ATOL,
+    X,
+    Y,
+    assert_close_lists,
+    assert_same_state,
+    make,
+    mlp,
+    params_of,
+    reference_steps,
+    reset,
+    sgd_variants_groups,
+    state_of,
+)
 
 import stepfuse.torch as sf
 from stepfuse import NonFiniteError, Stop
-from torch_helpers import (OPTIMIZERS, STATE_ATOL, X, Y, assert_close_lists, assert_same_state, make,
-                           mlp, params_of, reference_steps, reset, sgd_variants_groups, state_of)
 
 CALLS = (3, 1, 4)  # steps of successive calls: a remainder, a single step, two chunks
 
@@ -59,21 +72,27 @@ def test_stepwise_matches_torch_reference(model_name, opt):
     check_against_reference(model_name, opt, mode="stepwise")
 
 
-
-@pytest.mark.parametrize("dtype, recorded", [(torch.float64, np.float64), (torch.float32, np.float32),
-                                             (torch.bfloat16, np.float32)])
+@pytest.mark.parametrize(
+    "dtype, recorded",
+    [(torch.float64, np.float64), (torch.float32, np.float32), (torch.bfloat16, np.float32)],
+)
 def test_stepwise_trace_keeps_the_loss_precision_as_the_fused_one(dtype, recorded):
     """float64 losses stay float64, others are recorded as float32 (the fused trace's rule);
     the stepwise trace was float64 for every model."""
     torch.manual_seed(0)
     model = torch.nn.Linear(2, 2).to(dtype)
     x, y = torch.randn(8, 2, dtype=dtype), torch.randint(0, 2, (8,))
-    fit = sf.fuse(lambda x, y: torch.nn.functional.cross_entropy(model(x), y),
-                  torch.optim.SGD(model.parameters(), lr=0.1), steps=3, mode="stepwise")
+    fit = sf.fuse(
+        lambda x, y: torch.nn.functional.cross_entropy(model(x), y),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        steps=3,
+        mode="stepwise",
+    )
     trace = fit(x, y)
     assert trace.steps == 3 and trace.loss.dtype == recorded
     ref = torch.nn.functional.cross_entropy(model(x), y).item()  # the loss after the 3 steps
     assert float(fit(x, y, steps=1).loss[0]) == ref  # recorded exactly
+
 
 # -- fused mode -----------------------------------------------------------------------------
 
@@ -86,8 +105,10 @@ def sgd_fit():
     return model, optimizer, fit
 
 
-@pytest.mark.parametrize("opt", ["adam", "adamw", "rmsprop", "adagrad"]
-                         + [o for o in OPTIMIZERS if o == "adam_decoupled"])
+@pytest.mark.parametrize(
+    "opt",
+    ["adam", "adamw", "rmsprop", "adagrad"] + [o for o in OPTIMIZERS if o == "adam_decoupled"],
+)
 def test_fused_matches_torch_reference_perceptron(opt):
     fit = check_against_reference("perceptron", opt, fit_kwargs={"chunk": 2})
     assert fit.compiles == 1
@@ -98,7 +119,9 @@ def test_fused_sgd_matches_torch_reference_perceptron(sgd_fit):
     reset("perceptron", model, optimizer)
     losses, _ = run_calls(fit)
     ref_model, ref_opt, _ = make("perceptron", "sgd")
-    np.testing.assert_allclose(losses, reference_steps(ref_model, ref_opt, sum(CALLS)), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        losses, reference_steps(ref_model, ref_opt, sum(CALLS)), rtol=1e-6, atol=1e-7
+    )
     assert_close_lists(params_of(model), params_of(ref_model))
 
 
@@ -139,7 +162,9 @@ def test_one_compile_serves_every_steps_and_new_batch_values(sgd_fit):
     assert fit.compiles == before == 1
 
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CUDA-graph path)")
+CUDA = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (the CUDA-graph path)"
+)
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 TOL = {"cpu": dict(rtol=1e-6, atol=1e-7), "cuda": dict(rtol=1e-5, atol=1e-6)}
 """Fused against eager on one device: float32 on the CPU; on CUDA inductor's fused kernels
@@ -154,9 +179,21 @@ def test_options_tol_record_every_callback_match_stepwise_oracle(device):
     for mode in ("fused", "stepwise"):
         model, optimizer, loss_fn = make("perceptron", "adam")
         model.to(device)
-        fits[mode] = (model, optimizer, sf.fuse(
-            loss_fn, optimizer, steps=40, tol=8e-3, record_every=3, every=4, chunk=2, mode=mode,
-            callback=lambda step, loss, mode=mode: seen[mode].append((step, loss))))
+        fits[mode] = (
+            model,
+            optimizer,
+            sf.fuse(
+                loss_fn,
+                optimizer,
+                steps=40,
+                tol=8e-3,
+                record_every=3,
+                every=4,
+                chunk=2,
+                mode=mode,
+                callback=lambda step, loss, mode=mode: seen[mode].append((step, loss)),
+            ),
+        )
     traces = {mode: [f(x, y, steps=n) for n in (5, 40)] for mode, (_, _, f) in fits.items()}
     assert fits["fused"][2].mode == "fused"
     for tf, ts in zip(traces["fused"], traces["stepwise"]):
@@ -167,7 +204,9 @@ def test_options_tol_record_every_callback_match_stepwise_oracle(device):
     assert len(traces["fused"][0].loss) == 2  # steps 0 and 3 of 5
     assert [s for s, _ in seen["fused"]] == [s for s, _ in seen["stepwise"]]
     assert [s for s, _ in seen["fused"]][:3] == [4, 8, 12]
-    np.testing.assert_allclose([v for _, v in seen["fused"]], [v for _, v in seen["stepwise"]], rtol=tol["rtol"])
+    np.testing.assert_allclose(
+        [v for _, v in seen["fused"]], [v for _, v in seen["stepwise"]], rtol=tol["rtol"]
+    )
     assert_close_lists(params_of(fits["fused"][0]), params_of(fits["stepwise"][0]), **tol)
     assert_same_state(state_of(fits["fused"][1]), state_of(fits["stepwise"][1]), **tol)
 
@@ -243,8 +282,13 @@ class NotATorchOptimizer:
     [
         (lambda m, o, f: sf.fuse(f, NotATorchOptimizer(), steps=3), TypeError, "optimizer"),
         (lambda m, o, f: sf.fuse(f, "sgd", steps=3), TypeError, "optimizer"),
-        (lambda m, o, f: sf.fuse(f, torch.optim.SGD([torch.zeros(2, dtype=torch.float32)], lr=0.1), steps=3),
-         ValueError, "optimizer"),
+        (
+            lambda m, o, f: sf.fuse(
+                f, torch.optim.SGD([torch.zeros(2, dtype=torch.float32)], lr=0.1), steps=3
+            ),
+            ValueError,
+            "optimizer",
+        ),
         (lambda m, o, f: sf.fuse(f, _bad_dtype_optimizer(), steps=3), TypeError, "optimizer"),
         (lambda m, o, f: sf.fuse(f, o, steps=0), ValueError, "steps"),
         (lambda m, o, f: sf.fuse(f, o, steps=3, tol=-1.0), ValueError, "tol"),
@@ -253,13 +297,33 @@ class NotATorchOptimizer:
         (lambda m, o, f: sf.fuse(f, o, steps=3, model="net"), TypeError, "model"),
         (lambda m, o, f: sf.fuse(f, o, steps=3, chunk=0), ValueError, "chunk"),
         (lambda m, o, f: sf.fuse(3, o, steps=3), TypeError, "loss_fn"),
-        (lambda m, o, f: sf.fuse(lambda x, y: torch.nn.functional.cross_entropy(m(x), y, reduction="none"),
-                                 o, steps=3, mode="stepwise")(X, Y), ValueError, "loss_fn"),
-        (lambda m, o, f: sf.fuse(lambda x, y: (m(x).argmax(1) == y).sum(), o, steps=3, mode="stepwise")(X, Y),
-         TypeError, "loss_fn"),
-        (lambda m, o, f: sf.fuse(lambda x, y: (x ** 2).mean(), o, steps=3, mode="stepwise")(X, Y),
-         ValueError, "loss_fn"),
-        (lambda m, o, f: sf.fuse(f, o, steps=3, mode="stepwise")(X, Y, steps=2.5), TypeError, "steps"),
+        (
+            lambda m, o, f: sf.fuse(
+                lambda x, y: torch.nn.functional.cross_entropy(m(x), y, reduction="none"),
+                o,
+                steps=3,
+                mode="stepwise",
+            )(X, Y),
+            ValueError,
+            "loss_fn",
+        ),
+        (
+            lambda m, o, f: sf.fuse(
+                lambda x, y: (m(x).argmax(1) == y).sum(), o, steps=3, mode="stepwise"
+            )(X, Y),
+            TypeError,
+            "loss_fn",
+        ),
+        (
+            lambda m, o, f: sf.fuse(lambda x, y: (x**2).mean(), o, steps=3, mode="stepwise")(X, Y),
+            ValueError,
+            "loss_fn",
+        ),
+        (
+            lambda m, o, f: sf.fuse(f, o, steps=3, mode="stepwise")(X, Y, steps=2.5),
+            TypeError,
+            "steps",
+        ),
     ],
 )
 def test_bad_input_names_the_argument_and_changes_nothing(build, exc, name):
@@ -287,24 +351,30 @@ def test_unsupported_optimizer_falls_back_to_stepwise_with_a_warning():
     model = mlp()
     optimizer = torch.optim.Adamax(model.parameters(), lr=0.01)
     with pytest.warns(RuntimeWarning, match="Adamax"):
-        fit = sf.fuse(lambda x, y: torch.nn.functional.cross_entropy(model(x), y), optimizer, steps=3)
+        fit = sf.fuse(
+            lambda x, y: torch.nn.functional.cross_entropy(model(x), y), optimizer, steps=3
+        )
     assert fit.mode == "stepwise" and "Adamax" in fit.fallback_reason
     losses = fit(X, Y).loss
     ref = mlp()
-    np.testing.assert_allclose(losses, reference_steps(ref, torch.optim.Adamax(ref.parameters(), lr=0.01), 3),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        losses, reference_steps(ref, torch.optim.Adamax(ref.parameters(), lr=0.01), 3), rtol=1e-6
+    )
 
 
 def test_lbfgs_step_gets_a_closure_and_equals_torchs_own_closure_loop():
     """LBFGS re-evaluates the loss inside ``step(closure)``: it runs stepwise (with the
     fallback warning), and c calls equal torch's own loop of ``opt.step(closure)``."""
+
     def build():
         model = mlp()
         return model, torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5, history_size=4)
 
     model, optimizer = build()
     with pytest.warns(RuntimeWarning, match="LBFGS"):
-        fit = sf.fuse(lambda x, y: torch.nn.functional.cross_entropy(model(x), y), optimizer, steps=4)
+        fit = sf.fuse(
+            lambda x, y: torch.nn.functional.cross_entropy(model(x), y), optimizer, steps=4
+        )
     losses, traces = run_calls(fit)
     assert [t.steps for t in traces] == list(CALLS) and fit.step == sum(CALLS)
 
@@ -322,8 +392,10 @@ def test_lbfgs_step_gets_a_closure_and_equals_torchs_own_closure_loop():
     mine = optimizer.state[next(model.parameters())]  # LBFGS keeps its state on the first param
     ref = ref_opt.state[next(ref_model.parameters())]
     assert mine["n_iter"] == ref["n_iter"] > sum(CALLS)  # several inner iterations a step
-    assert_close_lists([mine["d"], mine["prev_flat_grad"], *mine["old_dirs"]],
-                       [ref["d"], ref["prev_flat_grad"], *ref["old_dirs"]])
+    assert_close_lists(
+        [mine["d"], mine["prev_flat_grad"], *mine["old_dirs"]],
+        [ref["d"], ref["prev_flat_grad"], *ref["old_dirs"]],
+    )
 
 
 def test_an_error_inside_step_leaves_parameters_and_state_as_before_the_step():
@@ -352,15 +424,24 @@ def test_an_error_inside_step_leaves_parameters_and_state_as_before_the_step():
 def test_probe_changes_neither_batchnorm_statistics_nor_the_random_state():
     """The batch check runs loss_fn once before the first call's steps; it must leave no
     trace: the buffers and the dropout masks equal those of the plain loop."""
+
     def build():
         torch.manual_seed(3)
-        model = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.3),
-                                    torch.nn.Linear(8, 2))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(2, 8),
+            torch.nn.BatchNorm1d(8),
+            torch.nn.Dropout(0.3),
+            torch.nn.Linear(8, 2),
+        )
         return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
     model, optimizer = build()
-    fit = sf.fuse(lambda x, y: torch.nn.functional.cross_entropy(model(x), y), optimizer, steps=3,
-                  mode="stepwise")
+    fit = sf.fuse(
+        lambda x, y: torch.nn.functional.cross_entropy(model(x), y),
+        optimizer,
+        steps=3,
+        mode="stepwise",
+    )
     torch.manual_seed(7)
     losses = fit(X, Y).loss
     ref_model, ref_opt = build()
@@ -373,9 +454,15 @@ def test_probe_changes_neither_batchnorm_statistics_nor_the_random_state():
 
 def test_refused_step_leaves_batchnorm_statistics_as_before_it():
     torch.manual_seed(2)
-    model = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
-    fit = sf.fuse(lambda x, y: torch.nn.functional.cross_entropy(model(x), y),
-                  torch.optim.Adam(model.parameters(), lr=0.01), steps=3, mode="stepwise")
+    model = torch.nn.Sequential(
+        torch.nn.Linear(2, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)
+    )
+    fit = sf.fuse(
+        lambda x, y: torch.nn.functional.cross_entropy(model(x), y),
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        steps=3,
+        mode="stepwise",
+    )
     assert fit(X, Y).steps == 3
     before = [t.detach().clone() for t in model.state_dict().values()]
     bad = X.clone()
@@ -389,8 +476,12 @@ def test_refused_step_leaves_batchnorm_statistics_as_before_it():
 def test_parameters_changed_after_fuse_are_refused_and_nothing_moves(change):
     body, head = torch.nn.Linear(2, 4), torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9)
-    fit = sf.fuse(lambda x, y: torch.nn.functional.cross_entropy(head(body(x)), y), optimizer, steps=2,
-                  mode="stepwise")
+    fit = sf.fuse(
+        lambda x, y: torch.nn.functional.cross_entropy(head(body(x)), y),
+        optimizer,
+        steps=2,
+        mode="stepwise",
+    )
     fit(X, Y)
     if change == "add_param_group":  # progressive unfreezing: the fit was built for the head only
         optimizer.add_param_group({"params": list(body.parameters())})
@@ -406,6 +497,7 @@ def test_parameters_changed_after_fuse_are_refused_and_nothing_moves(change):
 
 def test_parameters_outside_the_optimizer_stay_fixed_and_the_fit_stays_fused():
     """The optimizer holds the head only; the body's parameters still require grad."""
+
     def build():
         torch.manual_seed(5)
         body, head = torch.nn.Linear(2, 4), torch.nn.Linear(4, 2)
@@ -414,12 +506,16 @@ def test_parameters_outside_the_optimizer_stay_fixed_and_the_fit_stays_fused():
     body, head, optimizer = build()
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no silent fallback
-        fit = sf.fuse(lambda x, y: torch.nn.functional.cross_entropy(head(body(x)), y), optimizer, steps=4)
+        fit = sf.fuse(
+            lambda x, y: torch.nn.functional.cross_entropy(head(body(x)), y), optimizer, steps=4
+        )
         losses, _ = run_calls(fit)
     assert fit.mode == "fused"
     ref_body, ref_head, ref_opt = build()
     ref = torch.nn.Sequential(ref_body, ref_head)
-    np.testing.assert_allclose(losses, reference_steps(ref, ref_opt, sum(CALLS)), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        losses, reference_steps(ref, ref_opt, sum(CALLS)), rtol=1e-6, atol=1e-7
+    )
     assert_close_lists(params_of(head), params_of(ref_head))
     assert_close_lists(params_of(body), params_of(ref_body), rtol=0, atol=0)
 
@@ -466,8 +562,10 @@ def test_graph_path_static_buffers_and_replays_match_reference_on_cpu(monkeypatc
     monkeypatch.setattr(sf, "_GRAPH_CHUNKS", 2)
     monkeypatch.setattr(sf.FusedFit, "_cuda", property(lambda self: True))
     if kernels == "eager":
+
         def no_compile(self, fn, kind, inductor_options):
             raise RuntimeError("inductor cannot take it")
+
         monkeypatch.setattr(sf.FusedFit, "_compile", no_compile)
         # the eager capturable Adam refuses CPU tensors: SGD with momentum stands in
         opt = "sgd_momentum"
@@ -485,17 +583,24 @@ def test_graph_path_static_buffers_and_replays_match_reference_on_cpu(monkeypatc
     assert [g.replays for g in graphs] == [1 + 1 + 1 + 1, 2]  # (3-1 eager first step)/2, 1, 9, 2
     losses = np.concatenate([t.loss for t in traces])
     ref_model, ref_opt, _ = make("perceptron", opt)
-    np.testing.assert_allclose(losses, reference_steps(ref_model, ref_opt, sum(calls)), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        losses, reference_steps(ref_model, ref_opt, sum(calls)), rtol=1e-6, atol=1e-7
+    )
     assert_close_lists(params_of(model), params_of(ref_model))
     assert_same_state(state_of(optimizer), state_of(ref_opt))
     # a batch of another shape: new static buffers, a new program; back to the first
     # shape, the first program again (kept, not recaptured)
     half = (X[:25], Y[:25])
-    np.testing.assert_allclose(fit(*half, steps=3).loss, reference_steps(ref_model, ref_opt, 3, *half),
-                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        fit(*half, steps=3).loss,
+        reference_steps(ref_model, ref_opt, 3, *half),
+        rtol=1e-6,
+        atol=1e-7,
+    )
     assert fit.compiles == 2
-    np.testing.assert_allclose(fit(X, Y, steps=2).loss, reference_steps(ref_model, ref_opt, 2),
-                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        fit(X, Y, steps=2).loss, reference_steps(ref_model, ref_opt, 2), rtol=1e-6, atol=1e-7
+    )
     assert fit.compiles == 2
     assert_close_lists(params_of(model), params_of(ref_model))
     assert_same_state(state_of(optimizer), state_of(ref_opt))
@@ -546,11 +651,13 @@ def _hooked(kind):
     model, optimizer, loss_fn = make("perceptron", "sgd_momentum")
     calls = []
     if kind == "step_post":  # clamps the parameters after each step
+
         def clamp(opt, args, kwargs):
             calls.append(1)
             with torch.no_grad():
                 for p in model.parameters():
                     p.clamp_(-0.3, 0.3)
+
         optimizer.register_step_post_hook(clamp)
     elif kind == "grad":  # halves one parameter's gradient
         model.weight.register_hook(lambda g: calls.append(1) or g * 0.5)
@@ -578,11 +685,13 @@ def test_user_hooks_run_stepwise_with_a_warning_as_in_torchs_loop(kind):
 def test_parameters_the_loss_does_not_use_are_skipped_as_torch_does():
     """A parameter without a gradient is skipped by torch.optim (no weight decay, no
     momentum, no state); it was refused in both modes."""
+
     def build():
         torch.manual_seed(0)
         used, unused = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
-        opt = torch.optim.SGD([*used.parameters(), *unused.parameters()], lr=0.1, momentum=0.9,
-                              weight_decay=0.1)
+        opt = torch.optim.SGD(
+            [*used.parameters(), *unused.parameters()], lr=0.1, momentum=0.9, weight_decay=0.1
+        )
         return used, unused, opt, lambda x, y: torch.nn.functional.cross_entropy(used(x), y)
 
     used, unused, opt, loss_fn = build()
@@ -602,6 +711,7 @@ def test_parameters_the_loss_does_not_use_are_skipped_as_torch_does():
 def test_sparse_gradients_of_an_embedding_with_sparse_adam():
     """SparseAdam (stepwise) with nn.Embedding(sparse=True): the finiteness check read
     sparse gradients densely and failed."""
+
     def build():
         torch.manual_seed(0)
         emb = torch.nn.Embedding(10, 3, sparse=True)
@@ -624,8 +734,13 @@ def test_bfloat16_model_runs_fused_and_equals_stepwise():
     for mode in ("fused", "stepwise"):
         torch.manual_seed(0)
         model = torch.nn.Linear(2, 2).to(torch.bfloat16)
-        fit = sf.fuse(lambda x, y: torch.nn.functional.cross_entropy(model(x), y),
-                      torch.optim.SGD(model.parameters(), lr=0.1), steps=3, chunk=1, mode=mode)
+        fit = sf.fuse(
+            lambda x, y: torch.nn.functional.cross_entropy(model(x), y),
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            steps=3,
+            chunk=1,
+            mode=mode,
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
             losses, traces = run_calls(fit, x=X.to(torch.bfloat16))
@@ -648,7 +763,9 @@ def test_a_callback_that_changes_the_lr_takes_effect_for_the_rest_of_the_call():
             if step == 2:
                 optimizer.param_groups[0]["lr"] = 0.0
 
-        fit = sf.fuse(loss_fn, optimizer, steps=6, callback=stop_moving, every=2, chunk=2, mode=mode)
+        fit = sf.fuse(
+            loss_fn, optimizer, steps=6, callback=stop_moving, every=2, chunk=2, mode=mode
+        )
         if mode == "fused":
             with pytest.warns(RuntimeWarning, match="compiled again"):
                 trace = fit(X, Y)
@@ -668,7 +785,9 @@ def test_graph_path_copies_nested_batch_tensors_into_its_buffers(monkeypatch):
     above, eager chunk): each call trains on its own batch. The nested tensors were not
     copied into the static buffers, and batches were told apart by their repr (which
     elides a large tensor's values), so a later call trained on the first call's data."""
-    monkeypatch.setattr(sf, "_cuda_graphs", lambda chunk, dev, sizes: [_Replay(chunk, k) for k in sizes])
+    monkeypatch.setattr(
+        sf, "_cuda_graphs", lambda chunk, dev, sizes: [_Replay(chunk, k) for k in sizes]
+    )
     monkeypatch.setattr(sf.FusedFit, "_cuda", property(lambda self: True))
 
     def no_compile(self, fn, kind, inductor_options):
@@ -681,8 +800,12 @@ def test_graph_path_copies_nested_batch_tensors_into_its_buffers(monkeypatch):
     assert repr({"x": other}) == repr({"x": big_x})
     batches = [({"x": big_x}, torch.cat([Y] * 40)), ({"x": other}, torch.cat([Y] * 40))]
     model, optimizer, _ = make("perceptron", "sgd_momentum")
-    fit = sf.fuse(lambda b, y: torch.nn.functional.cross_entropy(model(b["x"]), y), optimizer, steps=4,
-                  chunk=2)
+    fit = sf.fuse(
+        lambda b, y: torch.nn.functional.cross_entropy(model(b["x"]), y),
+        optimizer,
+        steps=4,
+        chunk=2,
+    )
     losses = np.concatenate([fit(*b).loss for b in batches])
     ref_model, ref_opt, _ = make("perceptron", "sgd_momentum")
     ref = np.concatenate([reference_steps(ref_model, ref_opt, 4, b["x"], y) for b, y in batches])
@@ -705,8 +828,9 @@ def test_batches_of_many_shapes_each_get_a_program_past_dynamos_recompile_limit(
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)  # no fallback
             losses = fit(X[:rows], Y[:rows]).loss
-        np.testing.assert_allclose(losses, reference_steps(ref_model, ref_opt, 3, X[:rows], Y[:rows]),
-                                   rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(
+            losses, reference_steps(ref_model, ref_opt, 3, X[:rows], Y[:rows]), rtol=1e-6, atol=1e-7
+        )
     assert fit.mode == "fused" and fit.compiles == 3
     assert_close_lists(params_of(model), params_of(ref_model))
 

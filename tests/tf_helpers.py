@@ -44,7 +44,9 @@ def keras_mlp(sizes=(2, 16, 2)):
     """A small Keras MLP with weights from `mlp_init` (deterministic)."""
     layers = [keras.Input((sizes[0],))]
     for k in range(1, len(sizes)):
-        layers.append(keras.layers.Dense(sizes[k], activation="tanh" if k < len(sizes) - 1 else None))
+        layers.append(
+            keras.layers.Dense(sizes[k], activation="tanh" if k < len(sizes) - 1 else None)
+        )
     model = keras.Sequential(layers)
     weights = []
     for layer in mlp_init(sizes):

@@ -23,4 +23,8 @@ def assert_tol_stops_where_the_recorded_losses_say(run, losses, at=(20, 40)):
             recorded = np.asarray(trace.loss)
             np.testing.assert_array_equal(recorded, losses[: len(recorded)])
             met = np.nonzero(np.abs(np.diff(recorded.astype(np.float64))) <= tol)[0]
-            assert trace.stop is Stop.TOL and len(met) == 1 and trace.steps == met[0] + 2, (i, tol, trace)
+            assert trace.stop is Stop.TOL and len(met) == 1 and trace.steps == met[0] + 2, (
+                i,
+                tol,
+                trace,
+            )

@@ -20,11 +20,22 @@ OPTIMIZERS = {
     "sgd": (torch.optim.SGD, dict(lr=0.01)),
     "sgd_momentum": (torch.optim.SGD, dict(lr=0.05, momentum=0.9)),
     "sgd_nesterov": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
-    "sgd_weight_decay": (torch.optim.SGD, dict(lr=0.05, momentum=0.5, dampening=0.1, weight_decay=0.1)),
+    "sgd_weight_decay": (
+        torch.optim.SGD,
+        dict(lr=0.05, momentum=0.5, dampening=0.1, weight_decay=0.1),
+    ),
     "adam": (torch.optim.Adam, dict(lr=0.01)),
     "adamw": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
-    **({"adam_decoupled": (torch.optim.Adam, dict(lr=0.01, weight_decay=0.5, decoupled_weight_decay=True))}
-       if "decoupled_weight_decay" in inspect.signature(torch.optim.Adam).parameters else {}),
+    **(
+        {
+            "adam_decoupled": (
+                torch.optim.Adam,
+                dict(lr=0.01, weight_decay=0.5, decoupled_weight_decay=True),
+            )
+        }
+        if "decoupled_weight_decay" in inspect.signature(torch.optim.Adam).parameters
+        else {}
+    ),
     "rmsprop": (torch.optim.RMSprop, dict(lr=0.01, momentum=0.5, centered=True)),
     "adagrad": (torch.optim.Adagrad, dict(lr=0.1)),
 }
@@ -106,7 +117,12 @@ def state_of(optimizer):
     for g in optimizer.param_groups:
         for p in g["params"]:
             st = optimizer.state.get(p, {})
-            out.append({k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()})
+            out.append(
+                {
+                    k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                    for k, v in st.items()
+                }
+            )
     return out
 
 
@@ -133,8 +149,13 @@ def assert_same_state(s1, s2, rtol=RTOL, atol=ATOL, atol_by_key=None):
             if d1[k] is None or d2[k] is None:
                 assert d1[k] is None and d2[k] is None
                 continue
-            np.testing.assert_allclose(_host(d1[k]), _host(d2[k]), rtol=rtol,
-                                       atol=(atol_by_key or {}).get(k, atol), err_msg=f"state[{k!r}]")
+            np.testing.assert_allclose(
+                _host(d1[k]),
+                _host(d2[k]),
+                rtol=rtol,
+                atol=(atol_by_key or {}).get(k, atol),
+                err_msg=f"state[{k!r}]",
+            )
 
 
 def _host(v):

@@ -46,7 +46,12 @@ class Bar(Progress):
         width = max(10, min(_WIDTH, width))
         fill = min(width, int(width * task.completed / total))
         yield Text.assemble(
-            (self.label, "bold"), " ",
-            ("━" * fill, "bar.finished" if done else "bar.complete"), ("━" * (width - fill), "bar.back"),
-            counts, (eta, "progress.remaining"), no_wrap=True, overflow="ellipsis",
+            (self.label, "bold"),
+            " ",
+            ("━" * fill, "bar.finished" if done else "bar.complete"),
+            ("━" * (width - fill), "bar.back"),
+            counts,
+            (eta, "progress.remaining"),
+            no_wrap=True,
+            overflow="ellipsis",
         )

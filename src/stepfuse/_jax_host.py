@@ -19,7 +19,7 @@ import ctypes as C
 import struct
 import threading
 import weakref
-from typing import Callable, Optional
+from collections.abc import Callable
 
 __all__ = ["available", "register", "send"]
 
@@ -36,8 +36,12 @@ class _ExtBase(C.Structure):
 
 
 class _ApiVersion(C.Structure):
-    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p),
-                ("major_version", C.c_int), ("minor_version", C.c_int)]
+    _fields_ = [
+        ("struct_size", C.c_size_t),
+        ("extension_start", C.c_void_p),
+        ("major_version", C.c_int),
+        ("minor_version", C.c_int),
+    ]
 
 
 class _Metadata(C.Structure):
@@ -48,7 +52,7 @@ class _MetadataExt(C.Structure):
     _fields_ = [("extension_base", _ExtBase), ("metadata", C.POINTER(_Metadata))]
 
 
-_receivers: "dict[int, weakref.ref]" = {}
+_receivers: dict[int, weakref.ref] = {}
 _thread = threading.local()
 _lock = threading.Lock()
 _state = {"ok": None, "handler": None, "next_id": 1}
@@ -58,8 +62,10 @@ _state = {"ok": None, "handler": None, "next_id": 1}
 # XLA_FFI_Buffer, read with `struct` from raw memory (lighter than ctypes structure
 # objects), in native byte order with a 64-bit platform's sizes and padding; elsewhere
 # `available()` is False.
-_FRAME = struct.Struct("=QQQQi4xQQqQQ")  # struct_size, ext, api, ctx, stage, args: size, ext, n, types, args
-_BUFFER = struct.Struct("=QQi4xQqQ")     # struct_size, ext, dtype, data, rank, dims
+_FRAME = struct.Struct(
+    "=QQQQi4xQQqQQ"
+)  # struct_size, ext, api, ctx, stage, args: size, ext, n, types, args
+_BUFFER = struct.Struct("=QQi4xQqQ")  # struct_size, ext, dtype, data, rank, dims
 _INT, _PTR = struct.Struct("=i"), struct.Struct("=Q")
 _LAYOUT_OK = C.sizeof(C.c_void_p) == C.sizeof(C.c_size_t) == 8
 
@@ -71,13 +77,19 @@ def _handler(frame: int) -> None:
             _pin_thread_state()
         # XLA's struct_size counts up to the end of a struct's last field (no padding):
         # anything smaller than the fields read here is a layout this module doesn't know.
-        size, ext, _, _, stage, _, _, nargs, types, args = _FRAME.unpack(C.string_at(frame, _FRAME.size))
+        size, ext, _, _, stage, _, _, nargs, types, args = _FRAME.unpack(
+            C.string_at(frame, _FRAME.size)
+        )
         if size < _FRAME.size:
             return None
         if ext:
             _answer_metadata(ext)
             return None
-        if stage != _STAGE_EXECUTE or nargs != 1 or _INT.unpack(C.string_at(types, 4))[0] != _ARG_BUFFER:
+        if (
+            stage != _STAGE_EXECUTE
+            or nargs != 1
+            or _INT.unpack(C.string_at(types, 4))[0] != _ARG_BUFFER
+        ):
             return None
         buf = _PTR.unpack(C.string_at(args, 8))[0]
         bsize, _, dtype, data, rank, dims = _BUFFER.unpack(C.string_at(buf, _BUFFER.size))
@@ -145,7 +157,9 @@ def _setup() -> bool:
             seen.append(list(values))
 
         rid = _new_id(probe)
-        jax.block_until_ready(jax.jit(lambda v: (send(rid, v), v)[1])(jnp.arange(3, dtype=jnp.int32)))
+        jax.block_until_ready(
+            jax.jit(lambda v: (send(rid, v), v)[1])(jnp.arange(3, dtype=jnp.int32))
+        )
         return seen == [[0, 1, 2]]
     except Exception:  # noqa: BLE001 - any failure means: use jax.debug.callback
         return False
@@ -154,12 +168,13 @@ def _setup() -> bool:
 def _new_id(receiver) -> int:
     rid = _state["next_id"]
     _state["next_id"] += 1
-    _receivers[rid] = (weakref.WeakMethod(receiver) if hasattr(receiver, "__self__")
-                       else weakref.ref(receiver))
+    _receivers[rid] = (
+        weakref.WeakMethod(receiver) if hasattr(receiver, "__self__") else weakref.ref(receiver)
+    )
     return rid
 
 
-def register(receiver: Callable[[tuple], None]) -> Optional[int]:
+def register(receiver: Callable[[tuple], None]) -> int | None:
     """An id under which ``send`` reaches ``receiver`` (held weakly: a bound method lives as
     long as its object), or None where `send` is unavailable."""
     if not available():

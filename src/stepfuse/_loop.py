@@ -21,7 +21,8 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +33,7 @@ __all__ = ["run_stepwise", "finish", "Notifier", "deferred_interrupts"]
 
 
 def run_stepwise(
-    propose: Callable[[], Tuple[float, bool, Any]],
+    propose: Callable[[], tuple[float, bool, Any]],
     commit: Callable[[Any], None],
     n: int,
     opts: Options,
@@ -59,8 +60,12 @@ def run_stepwise(
             stop = Stop.TOL
             break
         prev = loss
-    return host_trace(np.asarray(losses, dtype=np.float64 if wide else np.float32), applied, stop,
-                      opts.record_every)
+    return host_trace(
+        np.asarray(losses, dtype=np.float64 if wide else np.float32),
+        applied,
+        stop,
+        opts.record_every,
+    )
 
 
 def finish(trace: Trace, opts: Options, start_step: int, state: Any = None) -> Trace:
@@ -85,15 +90,17 @@ class _Drawer:
         self._wake = threading.Event()
         self._thread = None
 
-    def show(self, notifier: "Notifier") -> None:
+    def show(self, notifier: Notifier) -> None:
         with self._lock:
             self._shown.append(notifier)
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="stepfuse-progress", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="stepfuse-progress", daemon=True
+                )
                 self._thread.start()
         self._wake.set()
 
-    def hide(self, notifier: "Notifier") -> None:
+    def hide(self, notifier: Notifier) -> None:
         """Stop drawing ``notifier``; when this returns, no drawing of it is under way."""
         with self._lock:
             if notifier in self._shown:
@@ -136,7 +143,7 @@ class Notifier:
         self.callback = opts.callback
         self.start, self.n = start_step, n
         self._bar = None
-        self._latest: Tuple[Any, Any] = (math.nan, math.nan)
+        self._latest: tuple[Any, Any] = (math.nan, math.nan)
         self._read: Callable[[], Any] = lambda: self._latest
         self._interval = 0.1
         self._watched = False
@@ -148,7 +155,7 @@ class Notifier:
             self._bar = Bar(label, total=n)
             self._task = self._bar.task
 
-    def __enter__(self) -> "Notifier":
+    def __enter__(self) -> Notifier:
         if self._bar is not None:
             self._bar.live.start(refresh=False)  # first drawn by the thread (~0.5 ms a drawing)
             _DRAWER.show(self)

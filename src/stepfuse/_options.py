@@ -9,9 +9,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["Options", "check_options", "check_call_steps", "check_int", "check_steps", "check_tol", "OPTIONS_DOC"]
+__all__ = [
+    "Options",
+    "check_options",
+    "check_call_steps",
+    "check_int",
+    "check_steps",
+    "check_tol",
+    "OPTIONS_DOC",
+]
 
 OPTIONS_DOC = """\
     steps: updates per call, an ``int >= 1``; a call may pass ``steps=n`` to run
@@ -52,10 +61,12 @@ def check_int(value: Any, name: str, fix: str, *, minimum: int = 1) -> int:
 
 
 def check_steps(value: Any, name: str = "steps") -> int:
-    return check_int(value, name, f"Pass the number of optimizer updates per call, e.g. {name}=100.")
+    return check_int(
+        value, name, f"Pass the number of optimizer updates per call, e.g. {name}=100."
+    )
 
 
-def check_tol(value: Any) -> Optional[float]:
+def check_tol(value: Any) -> float | None:
     if value is None:
         return None
     fix = "Pass a loss difference >= 0 such as tol=1e-6, or tol=None to never stop early."
@@ -71,10 +82,10 @@ class Options:
     """The validated options shared by every backend (see `OPTIONS_DOC`)."""
 
     steps: int
-    tol: Optional[float] = None
+    tol: float | None = None
     record_every: int = 1
-    callback: Optional[Callable[[int, float], Any]] = None
-    every: Optional[int] = None
+    callback: Callable[[int, float], Any] | None = None
+    every: int | None = None
     progress: bool = False
     on_nonfinite: str = "stop"
     mode: str = "fused"
@@ -112,23 +123,51 @@ def check_options(
         record_every, "record_every", "Pass 1 to keep every loss, or k to keep every k-th one."
     )
     if callback is not None and not callable(callback):
-        _fail(TypeError, "callback", callback, "callable as callback(step, loss) or None",
-              "Pass a function, e.g. callback=lambda step, loss: print(step, loss).")
+        _fail(
+            TypeError,
+            "callback",
+            callback,
+            "callable as callback(step, loss) or None",
+            "Pass a function, e.g. callback=lambda step, loss: print(step, loss).",
+        )
     if not isinstance(progress, bool):
-        _fail(TypeError, "progress", progress, "True or False", "Pass progress=True for a progress bar.")
+        _fail(
+            TypeError,
+            "progress",
+            progress,
+            "True or False",
+            "Pass progress=True for a progress bar.",
+        )
     if every is not None:
-        every = check_int(every, "every", "Pass how many updates between callbacks, e.g. every=100.")
+        every = check_int(
+            every, "every", "Pass how many updates between callbacks, e.g. every=100."
+        )
         if callback is None and not progress:
-            _fail(ValueError, "every", every, "used with `callback` or `progress=True`",
-                  "Pass callback=... or progress=True, or drop `every`.")
+            _fail(
+                ValueError,
+                "every",
+                every,
+                "used with `callback` or `progress=True`",
+                "Pass callback=... or progress=True, or drop `every`.",
+            )
     elif callback is not None or progress:
         every = max(1, steps // 100)
     if on_nonfinite not in ("stop", "raise"):
-        _fail(ValueError, "on_nonfinite", on_nonfinite, '"stop" or "raise"',
-              'Pass on_nonfinite="stop" to end the call quietly or "raise" to get an error.')
+        _fail(
+            ValueError,
+            "on_nonfinite",
+            on_nonfinite,
+            '"stop" or "raise"',
+            'Pass on_nonfinite="stop" to end the call quietly or "raise" to get an error.',
+        )
     if mode not in modes:
-        _fail(ValueError, "mode", mode, " or ".join(repr(m) for m in modes),
-              'Use mode="fused" for the compiled loop or mode="stepwise" for the reference loop.')
+        _fail(
+            ValueError,
+            "mode",
+            mode,
+            " or ".join(repr(m) for m in modes),
+            'Use mode="fused" for the compiled loop or mode="stepwise" for the reference loop.',
+        )
     return Options(steps, tol, record_every, callback, every, progress, on_nonfinite, mode)
 
 
@@ -142,7 +181,12 @@ def check_call_steps(value: Any, opts: Options, *, capped: bool) -> int:
         return opts.steps
     n = check_steps(value)
     if capped and n > opts.steps:
-        _fail(ValueError, "steps", value, f"at most {opts.steps} (the `steps` given to fuse)",
-              f"Build with fuse(..., steps={n}) (or more) to run longer calls; "
-              "any smaller `steps` reuses the same program.")
+        _fail(
+            ValueError,
+            "steps",
+            value,
+            f"at most {opts.steps} (the `steps` given to fuse)",
+            f"Build with fuse(..., steps={n}) (or more) to run longer calls; "
+            "any smaller `steps` reuses the same program.",
+        )
     return n

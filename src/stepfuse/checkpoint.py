@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import tempfile
 import zipfile
-from typing import Any, List, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -37,7 +37,7 @@ _DTYPES_KEY = "__dtypes__"
 _RESERVED = (_VERSION_KEY, _PATHS_KEY, _DTYPES_KEY)
 
 
-def _flatten(tree: Any, name: str) -> Tuple[List[str], List[Any], Any]:
+def _flatten(tree: Any, name: str) -> tuple[list[str], list[Any], Any]:
     """``(paths, leaves, treedef)`` of a JAX pytree (``jax`` imported here, not at import)."""
     import jax
 
@@ -56,7 +56,7 @@ def _dtype_name(dtype: np.dtype) -> str:
     return np.dtype(dtype).name
 
 
-def _key_impl(leaf) -> "str | None":
+def _key_impl(leaf) -> str | None:
     """The PRNG implementation's name of a typed JAX key array (``jax.random.key``), or None."""
     dtype = getattr(leaf, "dtype", None)
     if dtype is None or isinstance(dtype, np.dtype):
@@ -68,7 +68,7 @@ def _key_impl(leaf) -> "str | None":
     return str(jax.random.key_impl(leaf)) if isinstance(leaf, jax.Array) else ""
 
 
-def save(path: "str | os.PathLike[str]", state: Any) -> str:
+def save(path: str | os.PathLike[str], state: Any) -> str:
     """Write ``state`` (a ``stepfuse.jax.FitState`` or any JAX pytree of arrays) to ``path``.
 
     The file is written next to its destination and moved into place, so an
@@ -83,7 +83,9 @@ def save(path: "str | os.PathLike[str]", state: Any) -> str:
     paths, leaves, _ = _flatten(state, "state")
     if len(set(paths)) != len(paths):
         dup = sorted({p for p in paths if paths.count(p) > 1})
-        raise ValueError(f"`state` has leaves with the same tree path {dup}; cannot key them uniquely.")
+        raise ValueError(
+            f"`state` has leaves with the same tree path {dup}; cannot key them uniquely."
+        )
     arrays, dtypes = {}, []
     for key, leaf in zip(paths, leaves):
         if key in _RESERVED:
@@ -154,7 +156,7 @@ def _read(path: str) -> dict:
     return out
 
 
-def restore(path: "str | os.PathLike[str]", like: Any) -> Any:
+def restore(path: str | os.PathLike[str], like: Any) -> Any:
     """Read the checkpoint at ``path`` into a pytree with the structure of ``like``.
 
     Args:
@@ -179,7 +181,9 @@ def restore(path: "str | os.PathLike[str]", like: Any) -> Any:
     try:
         data = _read(path)
     except zipfile.BadZipFile as e:
-        raise ValueError(f"`path` {path!r} is not a stepfuse checkpoint (a damaged .npz: {e}).") from None
+        raise ValueError(
+            f"`path` {path!r} is not a stepfuse checkpoint (a damaged .npz: {e})."
+        ) from None
     if _VERSION_KEY not in data or _PATHS_KEY not in data:
         raise ValueError(
             f"`path` {path!r} is not a stepfuse checkpoint (no {_VERSION_KEY!r} entry). "
@@ -210,14 +214,20 @@ def restore(path: "str | os.PathLike[str]", like: Any) -> Any:
                 f"{saved_paths[i]} there: a different model or optimizer state structure."
             )
         if key not in data:
-            raise ValueError(f"`path` {path!r} lists {key} but holds no array for it (damaged file).")
+            raise ValueError(
+                f"`path` {path!r} lists {key} but holds no array for it (damaged file)."
+            )
         arr = data[key]
         if getattr(leaf, "dtype", None) is not None and _key_impl(leaf) is not None:
             restored.append(_restore_keys(arr, leaf, saved_dtypes and saved_dtypes[i], key, path))
             continue
         want_shape = tuple(np.shape(leaf))
         want_dtype = np.dtype(getattr(leaf, "dtype", None) or np.asarray(leaf).dtype)
-        if arr.dtype.kind == "V" and saved_dtypes is not None and saved_dtypes[i] == want_dtype.name:
+        if (
+            arr.dtype.kind == "V"
+            and saved_dtypes is not None
+            and saved_dtypes[i] == want_dtype.name
+        ):
             arr = arr.view(want_dtype)  # e.g. bfloat16, which .npy stores as raw bytes
         if tuple(arr.shape) != want_shape:
             raise ValueError(
@@ -233,16 +243,20 @@ def restore(path: "str | os.PathLike[str]", like: Any) -> Any:
     return jax.tree_util.tree_unflatten(treedef, restored)
 
 
-def _restore_keys(arr: np.ndarray, leaf, saved: "str | None", key: str, path: str):
+def _restore_keys(arr: np.ndarray, leaf, saved: str | None, key: str, path: str):
     """Typed PRNG keys from their saved bits (see `save`), checked against ``leaf``."""
     import jax
 
     kind, _, impl = (saved or "").partition("|")
     if kind != str(leaf.dtype) or not impl:
-        raise ValueError(f"`like` has PRNG keys of dtype {leaf.dtype} at {key} but the checkpoint "
-                         f"`path` {path!r} has {kind or 'no keys'} there.")
+        raise ValueError(
+            f"`like` has PRNG keys of dtype {leaf.dtype} at {key} but the checkpoint "
+            f"`path` {path!r} has {kind or 'no keys'} there."
+        )
     keys = jax.random.wrap_key_data(arr, impl=impl)
     if keys.shape != tuple(leaf.shape):
-        raise ValueError(f"`like` has shape {tuple(leaf.shape)} at {key} but the checkpoint "
-                         f"`path` {path!r} has keys of shape {keys.shape}.")
+        raise ValueError(
+            f"`like` has shape {tuple(leaf.shape)} at {key} but the checkpoint "
+            f"`path` {path!r} has keys of shape {keys.shape}."
+        )
     return keys

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import tempfile
-from typing import List, Optional
 
 from .demo import BACKENDS, available_backends
 
@@ -30,10 +29,13 @@ def _positive_int(name):
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a whole number >= 1, got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"{name} must be a whole number >= 1, got {text!r}"
+            ) from None
         if value < 1:
             raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
         return value
+
     return parse
 
 
@@ -41,19 +43,21 @@ def _positive_float(text):
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--lr must be a number > 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"--lr must be a number > 0, got {text!r}") from None
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"--lr must be a finite number > 0, got {text}")
     return value
 
 
-def _writable(path: Optional[str], flag: str) -> None:
+def _writable(path: str | None, flag: str) -> None:
     """Refuse, before anything runs, a path the run could not write at its end."""
     if path is None:
         return
     if not path.strip():
-        raise UsageError(f"{flag} {path!r}: an empty file name; give a file path, e.g. {flag} out"
-                         + (".png" if flag == "--plot" else ".json"))
+        raise UsageError(
+            f"{flag} {path!r}: an empty file name; give a file path, e.g. {flag} out"
+            + (".png" if flag == "--plot" else ".json")
+        )
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise UsageError(f"{flag} {path}: folder {folder} does not exist")
@@ -64,12 +68,14 @@ def _writable(path: Optional[str], flag: str) -> None:
         with open(path, "a"):
             pass
     except OSError as e:
-        raise UsageError(f"{flag} {path}: cannot write there ({e.strerror}); pick a writable file path")
+        raise UsageError(
+            f"{flag} {path}: cannot write there ({e.strerror}); pick a writable file path"
+        ) from None
     if not existed:
         os.unlink(path)
 
 
-def _outputs(plot: Optional[str], json_path: Optional[str]) -> None:
+def _outputs(plot: str | None, json_path: str | None) -> None:
     """``--plot`` and ``--json``, checked before the run: two writable files, the plot a PNG."""
     if plot and json_path and os.path.abspath(plot) == os.path.abspath(json_path):
         raise UsageError(f"--plot and --json are the same file ({plot}); give each its own")
@@ -77,7 +83,7 @@ def _outputs(plot: Optional[str], json_path: Optional[str]) -> None:
     _writable(json_path, "--json")
 
 
-def _plottable(path: Optional[str]) -> None:
+def _plottable(path: str | None) -> None:
     """``--plot``: matplotlib installed and a PNG file name, checked before the run."""
     if path is None:
         return
@@ -90,7 +96,7 @@ def _plottable(path: Optional[str]) -> None:
     _writable(path, "--plot")
 
 
-def _backend(name: Optional[str], flag: str = "--backend") -> str:
+def _backend(name: str | None, flag: str = "--backend") -> str:
     installed = available_backends()
     if name is None:
         if not installed:
@@ -105,27 +111,45 @@ def _backend(name: Optional[str], flag: str = "--backend") -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="stepfuse", description="Run many optimizer steps inside one compiled call.")
+    parser = _Parser(
+        prog="stepfuse", description="Run many optimizer steps inside one compiled call."
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    demo = sub.add_parser("demo", help="the seed's experiment: 1 vs N steps per call, checked and timed")
+    demo = sub.add_parser(
+        "demo", help="the seed's experiment: 1 vs N steps per call, checked and timed"
+    )
     demo.add_argument("--backend", help=f"one of {', '.join(BACKENDS)} (default: first installed)")
-    demo.add_argument("--steps", type=_positive_int("--steps"), default=3, help="steps per fused call (3)")
+    demo.add_argument(
+        "--steps", type=_positive_int("--steps"), default=3, help="steps per fused call (3)"
+    )
     demo.add_argument("--calls", type=_positive_int("--calls"), default=10, help="fused calls (10)")
     demo.add_argument("--lr", type=_positive_float, default=0.01, help="SGD learning rate (0.01)")
-    demo.add_argument("--timing-steps", type=_positive_int("--timing-steps"), default=2000,
-                      help="steps of the fused call that is timed (2000)")
+    demo.add_argument(
+        "--timing-steps",
+        type=_positive_int("--timing-steps"),
+        default=2000,
+        help="steps of the fused call that is timed (2000)",
+    )
     demo.add_argument("--plot", help="write a PNG of both loss curves")
     demo.add_argument("--json", help="write the numbers as JSON")
-    demo.add_argument("--stale-gradient", action="store_true",
-                      help="teaching aid: apply each call's first gradient N times (the check then fails)")
+    demo.add_argument(
+        "--stale-gradient",
+        action="store_true",
+        help="teaching aid: apply each call's first gradient N times (the check then fails)",
+    )
 
     bench = sub.add_parser("bench", help="the side-by-side benchmark matrix")
-    bench.add_argument("--backends", nargs="+", help=f"from {', '.join(BACKENDS)} (default: installed)")
+    bench.add_argument(
+        "--backends", nargs="+", help=f"from {', '.join(BACKENDS)} (default: installed)"
+    )
     bench.add_argument("--sizes", nargs="+", choices=("seed", "mlp", "wide"), help="problem sizes")
     bench.add_argument("--steps", nargs="+", type=_positive_int("--steps"), help="values of N")
-    bench.add_argument("--quick", action="store_true",
-                       help="a small matrix (seed and mlp, N = 10 and 100), about a minute and a half")
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="a small matrix (seed and mlp, N = 10 and 100), about a minute and a half",
+    )
     bench.add_argument("--json", help="write all results as JSON")
     bench.add_argument("--plot", help="write a PNG: us/step against N per contender (log-log)")
     return parser
@@ -145,11 +169,15 @@ def _print_demo(r) -> None:
         table.add_row(str(i), f"{loss:.6f}", f"{r.n_step[k]:.6f}" if rem == 0 else "")
     console.print(table)
     verdict = "PASSED" if r.check_passed else "FAILED"
-    console.print(f"check: row k of the {r.steps}-step table == row {r.steps}*k of the 1-step table: "
-                  f"[bold]{verdict}[/bold] (max |diff| {r.max_abs_diff:.2e})"
-                  + ("  \\[stale gradient: the first gradient applied N times]" if r.stale_gradient else ""))
-    console.print(f"time per step: fused {r.fused_us_per_step:.2f} us, one step per call "
-                  f"{r.stepwise_us_per_step:.2f} us -> [bold]{r.speedup:.1f}x[/bold] faster fused")
+    console.print(
+        f"check: row k of the {r.steps}-step table == row {r.steps}*k of the 1-step table: "
+        f"[bold]{verdict}[/bold] (max |diff| {r.max_abs_diff:.2e})"
+        + ("  \\[stale gradient: the first gradient applied N times]" if r.stale_gradient else "")
+    )
+    console.print(
+        f"time per step: fused {r.fused_us_per_step:.2f} us, one step per call "
+        f"{r.stepwise_us_per_step:.2f} us -> [bold]{r.speedup:.1f}x[/bold] faster fused"
+    )
 
 
 def _plot_demo(r, path: str) -> None:
@@ -160,11 +188,19 @@ def _plot_demo(r, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(range(len(r.one_step)), r.one_step, "o-", ms=3, label="1 step per call")
-    ax.plot([k * r.steps for k in range(len(r.n_step))], r.n_step, "s", ms=7, mfc="none",
-            label=f"{r.steps} steps per call (fused)")
+    ax.plot(
+        [k * r.steps for k in range(len(r.n_step))],
+        r.n_step,
+        "s",
+        ms=7,
+        mfc="none",
+        label=f"{r.steps} steps per call (fused)",
+    )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
-    ax.set_title(f"stepfuse demo ({r.backend}): {'check passed' if r.check_passed else 'CHECK FAILED'}")
+    ax.set_title(
+        f"stepfuse demo ({r.backend}): {'check passed' if r.check_passed else 'CHECK FAILED'}"
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120, format="png")
@@ -178,8 +214,14 @@ def _demo(args) -> int:
 
     backend = _backend(args.backend)
     _outputs(args.plot, args.json)
-    r = run_seed(backend, args.steps, args.calls, args.lr, stale_gradient=args.stale_gradient,
-                 timing_steps=args.timing_steps)
+    r = run_seed(
+        backend,
+        args.steps,
+        args.calls,
+        args.lr,
+        stale_gradient=args.stale_gradient,
+        timing_steps=args.timing_steps,
+    )
     _print_demo(r)
     if args.plot is not None:
         _plot_demo(r, args.plot)
@@ -192,8 +234,11 @@ def _demo(args) -> int:
 def _bench(args) -> int:
     from .bench._timing import Result, print_table
 
-    backends = ([_backend(b, "--backends") for b in dict.fromkeys(args.backends)] if args.backends
-                else available_backends())
+    backends = (
+        [_backend(b, "--backends") for b in dict.fromkeys(args.backends)]
+        if args.backends
+        else available_backends()
+    )
     if not backends:
         raise UsageError("no backend installed: pip install 'stepfuse[jax]' (or [tf], [torch])")
     _outputs(args.plot, args.json)
@@ -203,15 +248,28 @@ def _bench(args) -> int:
 
     if not any(n <= MAX_STEPS[size] for size in sizes for n in steps):
         limits = ", ".join(f"{size} at most {MAX_STEPS[size]}" for size in sizes)
-        raise UsageError(f"--steps {' '.join(map(str, steps))}: no size runs that many steps "
-                         f"({limits}); nothing to time")
-    results: List[Result] = []
+        raise UsageError(
+            f"--steps {' '.join(map(str, steps))}: no size runs that many steps "
+            f"({limits}); nothing to time"
+        )
+    results: list[Result] = []
     for backend in backends:  # each backend in its own process
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "results.json")
-            cmd = [sys.executable, "-m", "stepfuse.bench", "--backend", backend, "--json", out,
-                   "--sizes", *sizes, "--steps", *map(str, steps)] + (["--quick"] if args.quick else [])
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            cmd = [
+                sys.executable,
+                "-m",
+                "stepfuse.bench",
+                "--backend",
+                backend,
+                "--json",
+                out,
+                "--sizes",
+                *sizes,
+                "--steps",
+                *map(str, steps),
+            ] + (["--quick"] if args.quick else [])
+            proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
                 print(f"stepfuse bench: {backend} failed: {tail[0]}", file=sys.stderr)
@@ -230,7 +288,7 @@ def _bench(args) -> int:
     return 0 if results else 1
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``stepfuse`` command."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up log is noise here
     try:

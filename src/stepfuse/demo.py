@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import time
-from typing import Callable, Dict, List
+from collections.abc import Callable
 
 import numpy as np
 
@@ -25,7 +25,7 @@ BACKENDS = ("jax", "tf", "tf1", "torch")
 _MODULE = {"jax": "jax", "tf": "tensorflow", "tf1": "tensorflow", "torch": "torch"}
 
 
-def available_backends() -> List[str]:
+def available_backends() -> list[str]:
     """The backends whose framework is installed, in the default order."""
     return [b for b in BACKENDS if importlib.util.find_spec(_MODULE[b]) is not None]
 
@@ -36,8 +36,8 @@ class SeedResult:
     steps: int
     calls: int
     lr: float
-    one_step: List[float]  # loss before each of steps*calls one-step calls
-    n_step: List[float]  # loss before each of `calls` N-step calls
+    one_step: list[float]  # loss before each of steps*calls one-step calls
+    n_step: list[float]  # loss before each of `calls` N-step calls
     check_passed: bool
     max_abs_diff: float
     fused_us_per_step: float
@@ -61,6 +61,7 @@ def _best(run: Callable[[], object], repeats: int = 3) -> float:
 
 # -- one function per backend: (table(n, calls), us/step fused, us/step stepwise) -----------
 
+
 def _jax(n, calls, lr, stale, timing_steps):
     import jax
     import jax.numpy as jnp
@@ -71,7 +72,9 @@ def _jax(n, calls, lr, stale, timing_steps):
     x, y = blobs()
 
     def loss_fn(p, x, y):
-        return optax.softmax_cross_entropy_with_integer_labels(x @ p["kernel"] + p["bias"], y).mean()
+        return optax.softmax_cross_entropy_with_integer_labels(
+            x @ p["kernel"] + p["bias"], y
+        ).mean()
 
     def table(k):
         fit = sf.fuse(loss_fn, optax.sgd(lr), steps=k)
@@ -125,7 +128,9 @@ def _tf(n, calls, lr, stale, timing_steps):
 
         def loss_fn(x, y):
             logits = tf.matmul(x, kernel) + bias
-            return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+            return tf.reduce_mean(
+                tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+            )
 
         return [kernel, bias], loss_fn
 
@@ -188,7 +193,9 @@ def _tf1(n, calls, lr, stale, timing_steps):
 
             def loss_fn():
                 logits = tf.matmul(x, kernel) + bias
-                return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+                return tf.reduce_mean(
+                    tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+                )
 
             opt = tf1.train.GradientDescentOptimizer(lr)
             fused = sf1.fuse(loss_fn, opt, steps=steps)
@@ -258,8 +265,12 @@ def _torch(n, calls, lr, stale, timing_steps):
         return rows
 
     model, opt = make()
-    fit = sf.fuse(lambda x, y: torch.nn.functional.cross_entropy(model(x), y), opt,
-                  steps=timing_steps, model=model)
+    fit = sf.fuse(
+        lambda x, y: torch.nn.functional.cross_entropy(model(x), y),
+        opt,
+        steps=timing_steps,
+        model=model,
+    )
     fused = _best(lambda: fit(x, y))
     model, opt = make()
     m = min(timing_steps, 300)
@@ -273,11 +284,18 @@ def _torch(n, calls, lr, stale, timing_steps):
     return table, fused / timing_steps, _best(stepwise) / m
 
 
-_RUNNERS: Dict[str, Callable] = {"jax": _jax, "tf": _tf, "tf1": _tf1, "torch": _torch}
+_RUNNERS: dict[str, Callable] = {"jax": _jax, "tf": _tf, "tf1": _tf1, "torch": _torch}
 
 
-def run_seed(backend: str, steps: int = 3, calls: int = 10, lr: float = 0.01, *,
-             stale_gradient: bool = False, timing_steps: int = 2000) -> SeedResult:
+def run_seed(
+    backend: str,
+    steps: int = 3,
+    calls: int = 10,
+    lr: float = 0.01,
+    *,
+    stale_gradient: bool = False,
+    timing_steps: int = 2000,
+) -> SeedResult:
     """Run the seed's experiment on ``backend``: both tables, the check and the timings.
 
     ``stale_gradient=True`` runs the N-step table the way the seed feared it would
@@ -287,5 +305,16 @@ def run_seed(backend: str, steps: int = 3, calls: int = 10, lr: float = 0.01, *,
     one, many = table(1), table(steps)
     diff = float(np.max(np.abs(np.asarray(many) - np.asarray(one[::steps]))))
     passed = bool(np.allclose(many, one[::steps], rtol=1e-6, atol=1e-7))
-    return SeedResult(backend, steps, calls, lr, one, many, passed, diff,
-                      fused_s * 1e6, stepwise_s * 1e6, stale_gradient)
+    return SeedResult(
+        backend,
+        steps,
+        calls,
+        lr,
+        one,
+        many,
+        passed,
+        diff,
+        fused_s * 1e6,
+        stepwise_s * 1e6,
+        stale_gradient,
+    )

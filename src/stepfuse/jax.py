@@ -15,9 +15,9 @@ import inspect
 import struct
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from fractions import Fraction
-from typing import Any, Callable, Dict, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core
@@ -88,20 +88,29 @@ def _check_opt_state(optimizer, params, opt_state) -> None:
     """Raise if ``opt_state`` has not the structure and shapes that ``optimizer.init(params)``
     gives (a state from another optimizer or model: it would fail deep inside optax, or
     worse, run). Checked while tracing, so a call pays nothing for it."""
-    spec = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params)
+    spec = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params
+    )
     want = jax.eval_shape(optimizer.init, spec)
-    fix = ("Pass the state this fit's init(params) made or its calls returned; after changing "
-           "the optimizer or the model, start again from fit.init(params).")
-    want_tree, got_tree = jax.tree_util.tree_structure(want), jax.tree_util.tree_structure(opt_state)
+    fix = (
+        "Pass the state this fit's init(params) made or its calls returned; after changing "
+        "the optimizer or the model, start again from fit.init(params)."
+    )
+    want_tree, got_tree = (
+        jax.tree_util.tree_structure(want),
+        jax.tree_util.tree_structure(opt_state),
+    )
     if want_tree != got_tree:
         raise TypeError(
             f"`state.opt_state` is not a state of this fit's optimizer for these params: it is "
-            f"{_short(got_tree)}, where optimizer.init(params) gives {_short(want_tree)}. {fix}")
+            f"{_short(got_tree)}, where optimizer.init(params) gives {_short(want_tree)}. {fix}"
+        )
     for (path, got), w in zip(_leaves_with_paths(opt_state), jax.tree_util.tree_leaves(want)):
         if np.shape(got) != w.shape:
             raise ValueError(
                 f"`state.opt_state{jax.tree_util.keystr(path)}` has shape {np.shape(got)}, where "
-                f"optimizer.init(params) gives {w.shape} (the params' shapes changed?). {fix}")
+                f"optimizer.init(params) gives {w.shape} (the params' shapes changed?). {fix}"
+            )
 
 
 def _short(tree, limit: int = 400) -> str:
@@ -113,8 +122,11 @@ _SMALL = 1 << 14  # elements: below this the NaN/inf check copies the leaves int
 
 
 def _inexact_leaves(tree) -> list:
-    return [jnp.ravel(x) for x in jax.tree_util.tree_leaves(tree)
-            if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    return [
+        jnp.ravel(x)
+        for x in jax.tree_util.tree_leaves(tree)
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    ]
 
 
 def _flat_state(opt_state) -> jax.Array:
@@ -159,13 +171,16 @@ def _nonfinite_probe(tree, state, held):
     zeros = flat * 0  # times 0 before any cast: a float64 1e300 is finite
     if kept:
         n = flat.size - held.size
-        zeros = jnp.where(flat == jnp.concatenate([jnp.full((n,), jnp.nan, dtype), held.astype(dtype)]),
-                          jnp.zeros_like(zeros), zeros)
+        zeros = jnp.where(
+            flat == jnp.concatenate([jnp.full((n,), jnp.nan, dtype), held.astype(dtype)]),
+            jnp.zeros_like(zeros),
+            zeros,
+        )
         held = _held(flat[n:]).astype(held.dtype)  # exact: the entries are of that dtype
     return jnp.sum(zeros.astype(jnp.float32)), held
 
 
-def _extra_args(optimizer, loss, value, grads, batch) -> Dict[str, Any]:
+def _extra_args(optimizer, loss, value, grads, batch) -> dict[str, Any]:
     """The keyword arguments optax's ``GradientTransformationExtraArgs`` may read in
     ``update``: the loss ``value`` and gradient ``grad`` at ``params`` (reduce_on_plateau,
     polyak_sgd), ``value_fn(params)``, the loss on this call's batch (lbfgs and the line
@@ -177,8 +192,12 @@ def _extra_args(optimizer, loss, value, grads, batch) -> Dict[str, Any]:
     if not isinstance(optimizer, optax.GradientTransformationExtraArgs):
         return {}
     on_batch = lambda p: loss(p, *batch)[0]  # noqa: E731
-    offered = {"value": value, "grad": grads, "value_fn": on_batch,
-               "grad_fn": lambda p, i: jax.grad(on_batch)(p)}
+    offered = {
+        "value": value,
+        "grad": grads,
+        "value_fn": on_batch,
+        "grad_fn": lambda p, i: jax.grad(on_batch)(p),
+    }
     try:
         accepted = list(inspect.signature(optimizer.update).parameters.values())
     except (TypeError, ValueError):  # no signature to read
@@ -189,7 +208,7 @@ def _extra_args(optimizer, loss, value, grads, batch) -> Dict[str, Any]:
     return {k: v for k, v in offered.items() if k in names}
 
 
-def _update(optimizer, grads, opt_state, params, extra: Dict[str, Any]):
+def _update(optimizer, grads, opt_state, params, extra: dict[str, Any]):
     """``optimizer.update`` with the extra arguments it takes. A ``**extra_args`` update
     (``optax.chain``) hands them to every transformation inside, and some accept only
     their own (``sam``: ``grad_fn``) or pass them on to ``value_fn`` (the line search):
@@ -198,7 +217,9 @@ def _update(optimizer, grads, opt_state, params, extra: Dict[str, Any]):
     while True:
         try:
             return optimizer.update(grads, opt_state, params, **extra)
-        except TypeError as e:  # "unexpected keyword argument 'x'", "... not consumed by `value_fn`: ['x']"
+        except (
+            TypeError
+        ) as e:  # "unexpected keyword argument 'x'", "... not consumed by `value_fn`: ['x']"
             message = str(e)
             refused = [k for k in extra if f"'{k}'" in message]
             if not refused or not ("unexpected keyword" in message or "not consumed" in message):
@@ -230,6 +251,7 @@ def _spans_devices(leaves) -> bool:
 try:
     from jax._src.core import trace_state_clean as _trace_state_clean
 except ImportError:  # pragma: no cover - a JAX without it: under a trace any op is staged
+
     def _trace_state_clean() -> bool:
         return not isinstance(jnp.zeros((), jnp.int32), jax.core.Tracer)
 
@@ -243,10 +265,14 @@ def _varying_like(tree, inputs):
     types to stay the same, so the carry starts varying. Elsewhere nothing changes."""
     if not (hasattr(jax, "typeof") and hasattr(jax.lax, "pcast")):
         return tree
+
     def vma(x):  # the manual axes x varies over (`.vma` in some JAX versions)
         t = jax.typeof(x)
-        return frozenset(getattr(getattr(t, "manual_axis_type", None), "varying", None)
-                         or getattr(t, "vma", None) or ())
+        return frozenset(
+            getattr(getattr(t, "manual_axis_type", None), "varying", None)
+            or getattr(t, "vma", None)
+            or ()
+        )
 
     axes = frozenset().union(*map(vma, jax.tree_util.tree_leaves(inputs)))
     if not axes:
@@ -288,8 +314,11 @@ def _within_tol(tol: float, dtype) -> Callable[[jax.Array, jax.Array], jax.Array
     lo = _floor(Fraction(tol), dtype)  # lo <= tol < hi, neighbours in the dtype
     hi = np.nextafter(lo, dtype.type(np.inf))
     room_lo = _floor(Fraction(tol) - Fraction(float(lo)), dtype)  # >= 0
-    room_hi = (_floor(Fraction(tol) - Fraction(float(hi)), dtype) if np.isfinite(hi)
-               else np.asarray(-np.inf, dtype))  # < 0
+    room_hi = (
+        _floor(Fraction(tol) - Fraction(float(hi)), dtype)
+        if np.isfinite(hi)
+        else np.asarray(-np.inf, dtype)
+    )  # < 0
 
     def met(a, b):
         a, b = a.astype(dtype), b.astype(dtype)
@@ -338,8 +367,10 @@ class _Loss:
                 "Return a pair, or build with has_aux=False."
             )
         out = shape[0] if has_aux else shape
-        if not isinstance(out, jax.ShapeDtypeStruct) or out.shape != () or not jnp.issubdtype(
-            out.dtype, jnp.floating
+        if (
+            not isinstance(out, jax.ShapeDtypeStruct)
+            or out.shape != ()
+            or not jnp.issubdtype(out.dtype, jnp.floating)
         ):
             desc = f"shape {out.shape}, dtype {out.dtype}" if hasattr(out, "shape") else repr(out)
             raise TypeError(
@@ -375,13 +406,14 @@ class Fit:
         self.has_aux, self.differentiable = has_aux, differentiable
         self.compiler_options = dict(compiler_options or {})
         jit_options = {"compiler_options": self.compiler_options} if self.compiler_options else {}
-        self._notifier: Optional[Notifier] = None
-        self._callback_error: Optional[BaseException] = None
-        self._ints: Dict[int, jax.Array] = {}  # see `_int32`
-        self._fused = jax.jit(self._run, static_argnames=("scan_steps", "host_id", "pack", "rebuild"),
-                              **jit_options)
+        self._notifier: Notifier | None = None
+        self._callback_error: BaseException | None = None
+        self._ints: dict[int, jax.Array] = {}  # see `_int32`
+        self._fused = jax.jit(
+            self._run, static_argnames=("scan_steps", "host_id", "pack", "rebuild"), **jit_options
+        )
         self._muted = False  # while `_rebuild` runs: its notifications are the first run's again
-        self._seconds_per_step: Optional[float] = None  # the last notifying call's speed
+        self._seconds_per_step: float | None = None  # the last notifying call's speed
         self._host_id = _jax_host.register(self._from_host) if opts.notify else None
         self._step = jax.jit(self._propose, **jit_options)
 
@@ -392,7 +424,7 @@ class Fit:
         params = jax.tree_util.tree_map(jnp.asarray, params)
         return FitState(params, self.optimizer.init(params), jnp.zeros((), jnp.int32))
 
-    def __call__(self, state: FitState, *batch, steps: Optional[int] = None):
+    def __call__(self, state: FitState, *batch, steps: int | None = None):
         """Run ``steps`` updates (default: the ``steps`` given to `fuse`) in one call.
 
         Args:
@@ -427,13 +459,19 @@ class Fit:
         traced = _inside_a_trace()
         # Reverse-differentiable: a scan of the built `steps`, those past `n` masked, so every
         # `steps=n` runs the same program.
-        scan_steps = (self.opts.steps if (self.differentiable or (traced and _wants_reverse_mode(leaves)))
-                      else None)
+        scan_steps = (
+            self.opts.steps
+            if (self.differentiable or (traced and _wants_reverse_mode(leaves)))
+            else None
+        )
         notify = self.opts.notify and not traced
         if traced and self.opts.on_nonfinite == "raise":
-            warnings.warn("stepfuse.jax: on_nonfinite='raise' cannot raise inside jax.jit / jax.vmap "
-                          "(the trace stays on the device there); check trace.stop == Stop.NONFINITE.",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                "stepfuse.jax: on_nonfinite='raise' cannot raise inside jax.jit / jax.vmap "
+                "(the trace stays on the device there); check trace.stop == Stop.NONFINITE.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self._callback_error = None
         with self._notify(int(state.step) if notify else None, n):
             # Outside any user transform the loop reaches the host through stepfuse's own
@@ -446,8 +484,16 @@ class Fit:
             if not traced:
                 m, period = self._int32(m), self._int32(period)
             start = state
-            state, out, aux = self._fused(state, batch, m, period, scan_steps=scan_steps, host_id=host_id,
-                                          pack=not traced, rebuild=traced)
+            state, out, aux = self._fused(
+                state,
+                batch,
+                m,
+                period,
+                scan_steps=scan_steps,
+                host_id=host_id,
+                pack=not traced,
+                rebuild=traced,
+            )
             if not isinstance(out, tuple):  # packed: one transfer to the host (see `_run`)
                 out = np.asarray(out)
                 buf = out[:-2].view(np.float32 if out.dtype == np.int32 else _FLOAT_OF[out.dtype])
@@ -468,7 +514,9 @@ class Fit:
         else:
             trace = host_trace(np.asarray(buf), applied, stop, k)
             if self.opts.on_nonfinite == "raise":
-                trace = finish(trace, self.opts, int(state.step) - trace.steps, state)  # error.state: the new one
+                trace = finish(
+                    trace, self.opts, int(state.step) - trace.steps, state
+                )  # error.state: the new one
         return (state, trace, aux) if self.has_aux else (state, trace)
 
     def _rebuild(self, state: FitState, batch, good: int, period, host_id) -> FitState:
@@ -483,18 +531,38 @@ class Fit:
         """
         self._muted = True
         try:
-            new, _, _ = self._fused(state, batch, self._int32(good), period, scan_steps=None,
-                                    host_id=host_id, pack=True, rebuild=False)
+            new, _, _ = self._fused(
+                state,
+                batch,
+                self._int32(good),
+                period,
+                scan_steps=None,
+                host_id=host_id,
+                pack=True,
+                rebuild=False,
+            )
             return jax.block_until_ready(new)  # its host calls happen while it runs
         finally:
             self._muted = False
 
-    def _compiled_text(self, state: FitState, *batch, steps: Optional[int] = None) -> str:
+    def _compiled_text(self, state: FitState, *batch, steps: int | None = None) -> str:
         """The HLO text of the program a plain call of ``steps`` runs, as XLA compiled it
         (for inspection: `benchmarks/jax_kernels.py`, the tests)."""
         n = np.int32(self.opts.steps if steps is None else steps)
-        return self._fused.lower(state, batch, n, self._period(False), scan_steps=None, host_id=None,
-                                 pack=True, rebuild=False).compile().as_text()
+        return (
+            self._fused.lower(
+                state,
+                batch,
+                n,
+                self._period(False),
+                scan_steps=None,
+                host_id=None,
+                pack=True,
+                rebuild=False,
+            )
+            .compile()
+            .as_text()
+        )
 
     def _int32(self, value) -> jax.Array:
         """``value`` as an int32 array already on the device, kept per value: a NumPy
@@ -534,7 +602,9 @@ class Fit:
             return
         packed = np.asarray(packed, np.int32)
         packed = packed.reshape(-1, packed.shape[-1])
-        losses = np.ascontiguousarray(packed[:, 2:]).view(np.float32 if packed.shape[1] == 3 else np.float64)
+        losses = np.ascontiguousarray(packed[:, 2:]).view(
+            np.float32 if packed.shape[1] == 3 else np.float64
+        )
         for s, h, l in zip(packed[:, 0], packed[:, 1], losses[:, 0]):
             if self._callback_error is not None:
                 return
@@ -568,12 +638,17 @@ class Fit:
         except BaseException as e:  # re-raised on the host once the call returns
             self._callback_error = e
 
-    def _propose(self, params, opt_state, batch, loss: Optional[_Loss] = None, held=None):
+    def _propose(self, params, opt_state, batch, loss: _Loss | None = None, held=None):
         _check_opt_state(self.optimizer, params, opt_state)
         loss = loss or _Loss(self.loss_fn, self.has_aux, params, batch)
         (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(params, *batch)
-        updates, new_opt = _update(self.optimizer, grads, opt_state, params,
-                                   _extra_args(self.optimizer, loss, value, grads, batch))
+        updates, new_opt = _update(
+            self.optimizer,
+            grads,
+            opt_state,
+            params,
+            _extra_args(self.optimizer, loss, value, grads, batch),
+        )
         new_params = optax.apply_updates(params, updates)
         new_params = jax.tree_util.tree_map(lambda n, p: n.astype(p.dtype), new_params, params)
         # `held`: the state entries that count as finite while left unchanged (see
@@ -582,8 +657,18 @@ class Fit:
         probe, held = _nonfinite_probe((value, grads, new_params), new_opt, held)
         return value, aux, new_params, new_opt, probe, held
 
-    def _run(self, state: FitState, batch, n, period, *, scan_steps=None, host_id=None, pack=False,
-             rebuild=True):
+    def _run(
+        self,
+        state: FitState,
+        batch,
+        n,
+        period,
+        *,
+        scan_steps=None,
+        host_id=None,
+        pack=False,
+        rebuild=True,
+    ):
         params, opt_state, step0 = state
         opts, k, C = self.opts, self.opts.record_every, _CHUNK
         loss = _Loss(self.loss_fn, self.has_aux, params, batch)
@@ -598,8 +683,17 @@ class Fit:
         # (step, params, opt_state, trace, last loss, the last step's non-finite probe (0 or
         # NaN), aux, the loss before the last, the state entries it may keep: see
         # `_nonfinite_probe`)
-        carry = (jnp.int32(0), params, opt_state, jnp.full((size + 1,), jnp.nan, loss.dtype),
-                 nan, jnp.float32(0), aux0, nan, _held(_flat_state(opt_state)))
+        carry = (
+            jnp.int32(0),
+            params,
+            opt_state,
+            jnp.full((size + 1,), jnp.nan, loss.dtype),
+            nan,
+            jnp.float32(0),
+            aux0,
+            nan,
+            _held(_flat_state(opt_state)),
+        )
         carry = _varying_like(carry, (params, opt_state, batch))
 
         def make_body(first, unrecorded, guarded):
@@ -616,7 +710,8 @@ class Fit:
             def body(c):
                 i, params, opt_state, buf, prev, _, _, before, held = c
                 value, aux, new_params, new_opt, probe, new_held = self._propose(
-                    params, opt_state, batch, loss, held)
+                    params, opt_state, batch, loss, held
+                )
                 slot = jnp.where(i % k == 0, i // k - first, unrecorded)
                 buf = jax.lax.dynamic_update_index_in_dim(buf, value, slot, 0)
                 ok = jnp.isfinite(probe)
@@ -694,8 +789,11 @@ class Fit:
             first = (i0 // (C * k)) * C
             limit = jnp.minimum(end, (first + C) * k)
             small = jnp.concatenate([jax.lax.dynamic_slice(big, (first,), (C,)), big[-1:]])
-            inner = jax.lax.while_loop(lambda c: (c[0] < limit) & live(c),
-                                       make_body(first, C, False), c[:3] + (small,) + c[4:])
+            inner = jax.lax.while_loop(
+                lambda c: (c[0] < limit) & live(c),
+                make_body(first, C, False),
+                c[:3] + (small,) + c[4:],
+            )
             big = jax.lax.dynamic_update_slice(big, inner[3][:C], (first,))
             if opts.notify and not keep_loss:  # the last unrecorded loss, for `last_loss`
                 big = big.at[size].set(inner[3][C])
@@ -708,18 +806,23 @@ class Fit:
             made XLA copy the whole trace buffer at every chunk.
             """
             end = jnp.minimum(n, c[0] + period - (step0 + applied(c)) % period)
-            new = jax.lax.while_loop(lambda c: (c[0] < end) & live(c),
-                                     lambda c: chunk(c, end), c)
+            new = jax.lax.while_loop(lambda c: (c[0] < end) & live(c), lambda c: chunk(c, end), c)
             return notify(c, new)
 
         def redo(good):
             """`Fit._rebuild` inside the program, for a call traced by a user's transform."""
-            again = carry[:3] + _varying_like((jnp.full((size + 1,), jnp.nan, loss.dtype),), carry) + carry[4:]
+            again = (
+                carry[:3]
+                + _varying_like((jnp.full((size + 1,), jnp.nan, loss.dtype),), carry)
+                + carry[4:]
+            )
             again = jax.lax.while_loop(lambda a: a[0] < good, lambda a: chunk(a, good), again)
             return again[1], again[2]
 
         if scan_steps is None:
-            out = jax.lax.while_loop(running, segment if opts.notify else lambda c: chunk(c, n), carry)
+            out = jax.lax.while_loop(
+                running, segment if opts.notify else lambda c: chunk(c, n), carry
+            )
             if rebuild:  # else the host does it (`Fit._rebuild`): this cond costs ~5 us a call
                 # under vmap both branches run: no step for the models that need none
                 good = jnp.where(refused(out), applied(out), 0)
@@ -735,15 +838,20 @@ class Fit:
             out = jax.lax.scan(scan_body, carry, None, length=scan_steps)[0]
         _, params, opt_state, buf, _, _, aux, _, _ = out
         applied = applied(out)
-        stop = jnp.where(refused(out), Stop.NONFINITE, jnp.where(converged(out), Stop.TOL, Stop.STEPS))
+        stop = jnp.where(
+            refused(out), Stop.NONFINITE, jnp.where(converged(out), Stop.TOL, Stop.STEPS)
+        )
         ints = _INT_OF.get(np.dtype(buf.dtype))
         if pack and ints is not None:
             # For the host: the losses' bits, then applied and stop, as one integer array.
             # Each array read back is a transfer of its own (~14 us a scalar on XLA:CPU, a
             # tenth of a 1-step call on the seed).
             counts = jnp.stack([applied, jnp.int32(stop)]).astype(ints)
-            return (FitState(params, opt_state, step0 + applied),
-                    jnp.concatenate([jax.lax.bitcast_convert_type(buf, ints), counts]), aux)
+            return (
+                FitState(params, opt_state, step0 + applied),
+                jnp.concatenate([jax.lax.bitcast_convert_type(buf, ints), counts]),
+                aux,
+            )
         return FitState(params, opt_state, step0 + applied), (buf, applied, stop), aux
 
     # -- the stepwise reference -------------------------------------------------------
@@ -751,7 +859,9 @@ class Fit:
         held = {"params": state.params, "opt": state.opt_state, "aux": None}
 
         def propose():
-            value, aux, new_params, new_opt, probe, _ = self._step(held["params"], held["opt"], batch)
+            value, aux, new_params, new_opt, probe, _ = self._step(
+                held["params"], held["opt"], batch
+            )
             held["aux"] = aux
             return np.asarray(value), bool(np.isfinite(probe)), (new_params, new_opt)
 
@@ -760,7 +870,9 @@ class Fit:
 
         start = int(state.step)
         with Notifier(self.opts, start, n, label="stepfuse.jax") as note:
-            trace = run_stepwise(propose, commit, n, self.opts, start, note if self.opts.notify else None)
+            trace = run_stepwise(
+                propose, commit, n, self.opts, start, note if self.opts.notify else None
+            )
             note.done(trace.steps)
         new = FitState(held["params"], held["opt"], jnp.int32(start + trace.steps))
         trace = finish(trace, self.opts, start, new)
@@ -772,16 +884,16 @@ def fuse(
     optimizer: optax.GradientTransformation,
     *,
     steps: int,
-    tol: Optional[float] = None,
+    tol: float | None = None,
     record_every: int = 1,
     has_aux: bool = False,
-    callback: Optional[Callable[[int, float], Any]] = None,
-    every: Optional[int] = None,
+    callback: Callable[[int, float], Any] | None = None,
+    every: int | None = None,
     progress: bool = False,
     on_nonfinite: str = "stop",
     mode: str = "fused",
     differentiable: bool = False,
-    compiler_options: Optional[Dict[str, Any]] = None,
+    compiler_options: dict[str, Any] | None = None,
 ) -> Fit:
     """Build a fused fit: ``steps`` optax updates of ``loss_fn`` in one compiled call.
 
@@ -837,30 +949,40 @@ def fuse(
     for name, flag in (("has_aux", has_aux), ("differentiable", differentiable)):
         if not isinstance(flag, bool):
             raise TypeError(f"`{name}` must be True or False; got {flag!r}. Pass a bool.")
-    return Fit(loss_fn, optimizer, opts, has_aux, differentiable, _check_compiler_options(compiler_options))
+    return Fit(
+        loss_fn, optimizer, opts, has_aux, differentiable, _check_compiler_options(compiler_options)
+    )
 
 
-def _check_compiler_options(options) -> Dict[str, Any]:
+def _check_compiler_options(options) -> dict[str, Any]:
     """``options`` as a dict XLA accepts (tried on a one-op program), or a clear error."""
     if options is None:
         return {}
-    fix = ('Pass None or a dict of XLA option names to values, e.g. '
-           '{"xla_cpu_experimental_ynn_fusion_type": ""}.')
+    fix = (
+        "Pass None or a dict of XLA option names to values, e.g. "
+        '{"xla_cpu_experimental_ynn_fusion_type": ""}.'
+    )
     if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
         raise TypeError(f"`compiler_options` must be a dict with str keys; got {options!r}. {fix}")
     bad = {k: v for k, v in options.items() if not isinstance(v, (str, bool, int, float))}
     if bad:
-        raise TypeError(f"`compiler_options` values must be str, bool, int or float; got {bad!r}. {fix}")
+        raise TypeError(
+            f"`compiler_options` values must be str, bool, int or float; got {bad!r}. {fix}"
+        )
     options = dict(options)
     if options:
         if "compiler_options" not in inspect.signature(jax.jit).parameters:
-            raise TypeError(f"`compiler_options` needs a jax whose jax.jit takes them; jax "
-                            f"{jax.__version__} does not. Upgrade jax, or pass None.")
+            raise TypeError(
+                f"`compiler_options` needs a jax whose jax.jit takes them; jax "
+                f"{jax.__version__} does not. Upgrade jax, or pass None."
+            )
         try:
             jax.jit(lambda x: x + 1, compiler_options=options)(np.float32(0))
         except Exception as e:  # XLA's error for an unknown name or a bad value
-            raise ValueError(f"`compiler_options` {options!r} were refused by XLA "
-                             f"({jax.default_backend()}): {e}. {fix}") from e
+            raise ValueError(
+                f"`compiler_options` {options!r} were refused by XLA "
+                f"({jax.default_backend()}): {e}. {fix}"
+            ) from e
     return options
 
 

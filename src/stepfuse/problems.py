@@ -42,8 +42,10 @@ def mlp_init(sizes=(2, 16, 16, 2), seed: int = 0):
     layers = []
     for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
         limit = np.sqrt(6.0 / (fan_in + fan_out))
-        layers.append({
-            "kernel": rng.uniform(-limit, limit, (fan_in, fan_out)).astype(np.float32),
-            "bias": np.zeros((fan_out,), np.float32),
-        })
+        layers.append(
+            {
+                "kernel": rng.uniform(-limit, limit, (fan_in, fan_out)).astype(np.float32),
+                "bias": np.zeros((fan_out,), np.float32),
+            }
+        )
     return layers

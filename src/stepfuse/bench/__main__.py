@@ -12,8 +12,12 @@ import os
 from ._timing import measure, print_table, write_json
 from .problems import MAX_STEPS
 
-MODULES = {"jax": "stepfuse.bench.jax", "tf": "stepfuse.bench.tf", "tf1": "stepfuse.bench.tf1",
-           "torch": "stepfuse.bench.torch"}
+MODULES = {
+    "jax": "stepfuse.bench.jax",
+    "tf": "stepfuse.bench.tf",
+    "tf1": "stepfuse.bench.tf1",
+    "torch": "stepfuse.bench.torch",
+}
 
 
 def main(argv=None):
@@ -32,9 +36,15 @@ def main(argv=None):
             if n > MAX_STEPS[size]:
                 continue
             builders, steps_for = module.contenders(size, n)
-            rows = measure(builders, n, backend=args.backend, problem=size,
-                           repeats=2 if args.quick else 5, steps_for=steps_for,
-                           min_seconds=0.0 if args.quick else 0.6)
+            rows = measure(
+                builders,
+                n,
+                backend=args.backend,
+                problem=size,
+                repeats=2 if args.quick else 5,
+                steps_for=steps_for,
+                min_seconds=0.0 if args.quick else 0.6,
+            )
             for r in rows:
                 r.note = getattr(module, "NOTES", {}).get(r.contender, "")
             results += rows

@@ -34,8 +34,14 @@ def plot_results(results, path: str) -> None:
             else:
                 style = dict(ls="--", lw=1, marker=_MARKERS[others[backend] % len(_MARKERS)])
                 others[backend] += 1
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, ms=4,
-                    label=f"{backend}: {contender}", **style)
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                color=color,
+                ms=4,
+                label=f"{backend}: {contender}",
+                **style,
+            )
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("N (steps per call)")

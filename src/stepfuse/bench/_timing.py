@@ -12,7 +12,7 @@ import dataclasses
 import json
 import platform
 import time
-from typing import Callable, Dict, List, Optional
+from collections.abc import Callable
 
 __all__ = ["Result", "time_call", "interleaved_best", "measure", "print_table", "write_json"]
 
@@ -25,12 +25,14 @@ class Result:
     steps: int
     us_per_step: float
     build_s: float
-    ratio: Optional[float] = None  # us_per_step / stepfuse's us_per_step on the same row group
+    ratio: float | None = None  # us_per_step / stepfuse's us_per_step on the same row group
     note: str = ""
     n: int = 0  # the N of the row group (a slow contender may be timed on fewer `steps`)
 
 
-def time_call(run: Callable[[int], object], n: int, repeats: int = 5, min_time: float = 0.02) -> float:
+def time_call(
+    run: Callable[[int], object], n: int, repeats: int = 5, min_time: float = 0.02
+) -> float:
     """Best seconds per step of ``run(n)`` over ``repeats`` timed samples (after one warm-up).
 
     A sample repeats ``run(n)`` until it has taken ``min_time`` (a short call, such as
@@ -52,13 +54,15 @@ def time_call(run: Callable[[int], object], n: int, repeats: int = 5, min_time: 
     return best / n
 
 
-def interleaved_best(calls: Dict[object, Callable[[], object]], rounds: int, per_sample: int = 1) -> Dict[object, float]:
+def interleaved_best(
+    calls: dict[object, Callable[[], object]], rounds: int, per_sample: int = 1
+) -> dict[object, float]:
     """Best seconds per call of each ``calls[key]()``: ``rounds`` rounds timing every call
     in turn (``per_sample`` calls a sample), the order reversed every other round so that
     no call always runs first or right after the same neighbour."""
     best = dict.fromkeys(calls, float("inf"))
     for r in range(rounds):
-        for key in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
+        for key in list(calls) if r % 2 == 0 else list(calls)[::-1]:
             call, t0 = calls[key], time.perf_counter()
             for _ in range(per_sample):
                 call()
@@ -67,17 +71,17 @@ def interleaved_best(calls: Dict[object, Callable[[], object]], rounds: int, per
 
 
 def measure(
-    contenders: Dict[str, Callable[[], Callable[[int], object]]],
+    contenders: dict[str, Callable[[], Callable[[int], object]]],
     n: int,
     *,
     backend: str,
     problem: str,
     reference: str = "stepfuse",
     repeats: int = 5,
-    steps_for: Optional[Dict[str, int]] = None,
+    steps_for: dict[str, int] | None = None,
     min_seconds: float = 0.0,
     max_rounds: int = 40,
-) -> List[Result]:
+) -> list[Result]:
     """Build, warm up and time each contender on ``n`` steps; ratios are to ``reference``.
 
     ``contenders`` maps a name to a *builder*: calling it builds the contender (its
@@ -94,13 +98,17 @@ def measure(
         t0 = time.perf_counter()
         run = build()
         run(m)  # first call: tracing / compiling / graph building
-        results[name] = Result(backend, problem, name, m, float("inf"), time.perf_counter() - t0, n=n)
+        results[name] = Result(
+            backend, problem, name, m, float("inf"), time.perf_counter() - t0, n=n
+        )
         runs[name] = (run, m)
     spent, rounds = dict.fromkeys(runs, 0.0), 0
     while rounds < repeats or (min(spent.values()) < min_seconds and rounds < max_rounds):
         for name, (run, m) in runs.items():  # interleave the contenders
             t0 = time.perf_counter()
-            results[name].us_per_step = min(results[name].us_per_step, 1e6 * time_call(run, m, repeats=1))
+            results[name].us_per_step = min(
+                results[name].us_per_step, 1e6 * time_call(run, m, repeats=1)
+            )
             spent[name] += time.perf_counter() - t0
         rounds += 1
     ref = results.get(reference)
@@ -110,24 +118,36 @@ def measure(
     return list(results.values())
 
 
-def print_table(results: List[Result], title: str = "stepfuse benchmark") -> None:
+def print_table(results: list[Result], title: str = "stepfuse benchmark") -> None:
     """A terminal table (rich) of the results, ratio = contender time / stepfuse time."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=title)
     for col in ("backend", "problem", "contender", "N", "us/step", "x stepfuse", "build s"):
-        table.add_column(col, justify="right" if col in ("N", "us/step", "x stepfuse", "build s") else "left")
+        table.add_column(
+            col, justify="right" if col in ("N", "us/step", "x stepfuse", "build s") else "left"
+        )
     for r in results:
-        table.add_row(r.backend, r.problem, r.contender, str(r.steps), f"{r.us_per_step:.2f}",
-                      "" if r.ratio is None else f"{r.ratio:.2f}", f"{r.build_s:.2f}")
+        table.add_row(
+            r.backend,
+            r.problem,
+            r.contender,
+            str(r.steps),
+            f"{r.us_per_step:.2f}",
+            "" if r.ratio is None else f"{r.ratio:.2f}",
+            f"{r.build_s:.2f}",
+        )
     Console().print(table)
 
 
-def write_json(results: List[Result], path: str, **meta) -> None:
+def write_json(results: list[Result], path: str, **meta) -> None:
     payload = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "python": platform.python_version()},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "python": platform.python_version(),
+        },
         "date": time.strftime("%Y-%m-%d"),
         **meta,
         "results": [dataclasses.asdict(r) for r in results],

@@ -9,8 +9,14 @@ import optax
 from .. import jax as sf
 from .problems import problem
 
-CONTENDERS = ("stepfuse", "fori_loop", "fori_loop (loss each step)", "fori_loop (recording losses)",
-              "scan (with losses)", "jit per step")
+CONTENDERS = (
+    "stepfuse",
+    "fori_loop",
+    "fori_loop (loss each step)",
+    "fori_loop (recording losses)",
+    "scan (with losses)",
+    "jit per step",
+)
 
 
 def mlp_loss(layers, x, y):
@@ -58,15 +64,25 @@ def fori_loops(grad_step, loss_step, compiler_options=None, capacity: int = 10_0
         return jax.lax.fori_loop(0, m, body, (p, s, jnp.full((capacity,), jnp.nan, jnp.float32)))
 
     return {
-        "fori_loop": _jit(lambda p, s, m: jax.lax.fori_loop(0, m, lambda _, c: grad_step(*c), (p, s)),
-                          compiler_options),
-        "fori_loop (loss each step)": _jit(lambda p, s, m: jax.lax.fori_loop(
-            0, m, lambda _, c: loss_step(*c[:2]), (p, s, jnp.float32(0))), compiler_options),
+        "fori_loop": _jit(
+            lambda p, s, m: jax.lax.fori_loop(0, m, lambda _, c: grad_step(*c), (p, s)),
+            compiler_options,
+        ),
+        "fori_loop (loss each step)": _jit(
+            lambda p, s, m: jax.lax.fori_loop(
+                0, m, lambda _, c: loss_step(*c[:2]), (p, s, jnp.float32(0))
+            ),
+            compiler_options,
+        ),
         "fori_loop (recording losses)": _jit(recording, compiler_options),
     }
 
 
-OPTIMIZERS = {"sgd": optax.sgd, "momentum": lambda lr: optax.sgd(lr, momentum=0.9), "adam": optax.adam}
+OPTIMIZERS = {
+    "sgd": optax.sgd,
+    "momentum": lambda lr: optax.sgd(lr, momentum=0.9),
+    "adam": optax.adam,
+}
 
 
 def contenders(size: str, n: int, lr: float = 0.01, compiler_options=None, optimizer: str = "sgd"):
@@ -90,6 +106,7 @@ def contenders(size: str, n: int, lr: float = 0.01, compiler_options=None, optim
         def build():
             run, s0 = loops[name], optimizer.init(params)
             return lambda m: jax.block_until_ready(run(params, s0, m))
+
         return build
 
     def scan():
@@ -110,9 +127,14 @@ def contenders(size: str, n: int, lr: float = 0.01, compiler_options=None, optim
             for _ in range(m):
                 c = step(*c)
             return jax.block_until_ready(c)
+
         return run
 
-    return {"stepfuse": stepfuse, "fori_loop": fori("fori_loop"),
-            "fori_loop (loss each step)": fori("fori_loop (loss each step)"),
-            "fori_loop (recording losses)": fori("fori_loop (recording losses)"), "scan (with losses)": scan,
-            "jit per step": jit_per_step}, {"jit per step": min(n, 1000)}
+    return {
+        "stepfuse": stepfuse,
+        "fori_loop": fori("fori_loop"),
+        "fori_loop (loss each step)": fori("fori_loop (loss each step)"),
+        "fori_loop (recording losses)": fori("fori_loop (recording losses)"),
+        "scan (with losses)": scan,
+        "jit per step": jit_per_step,
+    }, {"jit per step": min(n, 1000)}

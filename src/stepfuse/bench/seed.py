@@ -22,7 +22,9 @@ def _jax(steps, options):
     x, y = blobs()
 
     def loss_fn(p, x, y):
-        return optax.softmax_cross_entropy_with_integer_labels(x @ p["kernel"] + p["bias"], y).mean()
+        return optax.softmax_cross_entropy_with_integer_labels(
+            x @ p["kernel"] + p["bias"], y
+        ).mean()
 
     fit = sf.fuse(loss_fn, optax.sgd(SEED_LR), steps=steps, **options)
     state = fit.init(perceptron_init())
@@ -41,7 +43,9 @@ def _tf(steps, options):
 
     def loss_fn(x, y):
         logits = tf.matmul(x, kernel) + bias
-        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        return tf.reduce_mean(
+            tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        )
 
     fit = sf.fuse(loss_fn, keras.optimizers.SGD(SEED_LR), [kernel, bias], steps=steps, **options)
     return lambda steps=None: fit(x, y, steps=steps)
@@ -59,8 +63,13 @@ def _torch(steps, options):
     with torch.no_grad():
         model.weight.copy_(torch.from_numpy(p["kernel"].T.copy()))
         model.bias.copy_(torch.from_numpy(p["bias"]))
-    fit = sf.fuse(lambda x, y: torch.nn.functional.cross_entropy(model(x), y),
-                  torch.optim.SGD(model.parameters(), lr=SEED_LR), steps=steps, model=model, **options)
+    fit = sf.fuse(
+        lambda x, y: torch.nn.functional.cross_entropy(model(x), y),
+        torch.optim.SGD(model.parameters(), lr=SEED_LR),
+        steps=steps,
+        model=model,
+        **options,
+    )
     return lambda steps=None: fit(x, y, steps=steps)
 
 

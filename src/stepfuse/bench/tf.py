@@ -16,8 +16,13 @@ import tensorflow as tf  # noqa: E402
 from .. import tf as sf  # noqa: E402
 from .problems import problem  # noqa: E402
 
-CONTENDERS = ("stepfuse", "stepfuse (no XLA)", "tf.function per step",
-              "tf.while_loop in tf.function", "Keras fit (steps_per_execution)")
+CONTENDERS = (
+    "stepfuse",
+    "stepfuse (no XLA)",
+    "tf.function per step",
+    "tf.while_loop in tf.function",
+    "Keras fit (steps_per_execution)",
+)
 
 NOTES = {
     "stepfuse": "stepfuse.tf, one tf.function call, XLA inner loop, trace of every loss",
@@ -68,9 +73,15 @@ def contenders(size: str, n: int, lr: float = 0.01):
     def stepfuse(jit=True):
         def build():
             variables = make_variables(layers)
-            fit = sf.fuse(lambda x, y: ce(y, mlp_logits(variables, x)), keras.optimizers.SGD(lr),
-                          variables, steps=n, jit_compile=jit)
+            fit = sf.fuse(
+                lambda x, y: ce(y, mlp_logits(variables, x)),
+                keras.optimizers.SGD(lr),
+                variables,
+                steps=n,
+                jit_compile=jit,
+            )
             return lambda m: fit(x, y, steps=m)  # returns a host Trace: blocks
+
         return build
 
     def tf_function_per_step():
@@ -88,6 +99,7 @@ def contenders(size: str, n: int, lr: float = 0.01):
             for _ in range(m):
                 loss = step(x, y)
             return loss.numpy()
+
         return run
 
     def while_loop_xla():
@@ -110,13 +122,17 @@ def contenders(size: str, n: int, lr: float = 0.01):
     def keras_fit():
         model = keras_model(layers)
         spe = min(n, 1000)
-        model.compile(optimizer=keras.optimizers.SGD(lr),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      steps_per_execution=spe, jit_compile=True)
+        model.compile(
+            optimizer=keras.optimizers.SGD(lr),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=spe,
+            jit_compile=True,
+        )
         data = tf.data.Dataset.from_tensors((xn, yn)).repeat()
 
         def run(m):
             model.fit(data, epochs=1, steps_per_epoch=m, verbose=0, shuffle=False)
+
         return run
 
     builders = {

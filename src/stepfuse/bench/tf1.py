@@ -30,8 +30,10 @@ MAX_COPIES = 100
 NOTES = {
     "stepfuse": "stepfuse.tf.v1: fused.run(sess, feed), one sess.run calling one XLA-compiled tf.while_loop",
     "sess.run per step": "optimizer.minimize, one sess.run per step (fetching the loss)",
-    "N copies (seed answer)": (f"graph of min(N, {MAX_COPIES}) chained copies, run ceil(m/copies) "
-                               "times (larger N takes too long to build)"),
+    "N copies (seed answer)": (
+        f"graph of min(N, {MAX_COPIES}) chained copies, run ceil(m/copies) "
+        "times (larger N takes too long to build)"
+    ),
 }
 
 
@@ -80,6 +82,7 @@ def contenders(size: str, n: int, lr: float = 0.01):
 
         def run(m):  # as a user would: one sess.run through `run`, which returns the Trace
             return fused.run(sess, feed, steps=m).loss
+
         return run
 
     def per_step():
@@ -91,15 +94,23 @@ def contenders(size: str, n: int, lr: float = 0.01):
 
         def run(m):
             return [sess.run(fetches, feed)[0] for _ in range(m)]
+
         return run
 
     def copies():
         c = min(n, MAX_COPIES)
-        sess, (op, losses), feed, _ = graph(layers, xn, yn, lambda f: sf1.copies_train_op(f, opt(), c))
+        sess, (op, losses), feed, _ = graph(
+            layers, xn, yn, lambda f: sf1.copies_train_op(f, opt(), c)
+        )
 
         def run(m):
             return [sess.run([losses, op], feed)[0] for _ in range(math.ceil(m / c))]
+
         return run
 
-    builders = {"stepfuse": stepfuse, "sess.run per step": per_step, "N copies (seed answer)": copies}
+    builders = {
+        "stepfuse": stepfuse,
+        "sess.run per step": per_step,
+        "N copies (seed answer)": copies,
+    }
     return builders, {"sess.run per step": min(n, 1000)}

@@ -31,10 +31,10 @@ CONTENDERS = ("stepfuse", "eager per step", "torch.compile of one step")
 
 NOTES = {
     "stepfuse": "stepfuse.torch: one compiled while_loop (inductor, C++ wrapper) per call segment, "
-                "trace of every loss, finite checks",
+    "trace of every loss, finite checks",
     "eager per step": "zero_grad(); loss.backward(); opt.step() in Python, eager",
     "torch.compile of one step": "torch.compile of zero_grad + forward + backward + opt.step, "
-                                 "called once per step (graph break at backward)",
+    "called once per step (graph break at backward)",
 }
 
 FUSED_CAPACITY = 10_000
@@ -95,8 +95,13 @@ def contenders(size: str, n: int, lr: float = 0.01, chunk: int | None = None):
         def build():
             model = MLP(layers)
             opt = torch.optim.SGD(model.parameters(), lr=lr)
-            fit = sf.fuse(lambda x, y: F.cross_entropy(model(x), y), opt,
-                          steps=max(n, FUSED_CAPACITY), model=model, **kw)
+            fit = sf.fuse(
+                lambda x, y: F.cross_entropy(model(x), y),
+                opt,
+                steps=max(n, FUSED_CAPACITY),
+                model=model,
+                **kw,
+            )
             assert fit.mode == "fused", fit.fallback_reason
             return fit
 
@@ -146,5 +151,9 @@ def contenders(size: str, n: int, lr: float = 0.01, chunk: int | None = None):
 
         return run
 
-    builders = {"stepfuse": stepfuse, "eager per step": eager, "torch.compile of one step": compiled_step}
+    builders = {
+        "stepfuse": stepfuse,
+        "eager per step": eager,
+        "torch.compile of one step": compiled_step,
+    }
     return builders, {name: min(n, cap) for name, cap in MAX_TIMED[size].items()}

@@ -13,15 +13,16 @@ import math
 import textwrap
 import time
 import warnings
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from .._loop import Notifier, deferred_interrupts, finish, run_stepwise
-from .._options import _fail as _options_fail
 from .._options import OPTIONS_DOC, Options, check_call_steps, check_options
+from .._options import _fail as _options_fail
 from .._trace import Stop, Trace, host_trace
 
 try:  # a gradient tape left open around a call must not record it (see `Fit._call`)
@@ -59,47 +60,81 @@ def _tf_var(v):
 
 def _check_optimizer(optimizer) -> None:
     if not isinstance(optimizer, keras.optimizers.Optimizer):
-        _fail(TypeError, "optimizer", optimizer, "a Keras 3 optimizer",
-              "Pass e.g. keras.optimizers.SGD(0.01) or keras.optimizers.Adam(1e-3); "
-              "optax optimizers go to stepfuse.jax, torch.optim ones to stepfuse.torch, "
-              "tf.compat.v1.train ones to stepfuse.tf.v1.")
+        _fail(
+            TypeError,
+            "optimizer",
+            optimizer,
+            "a Keras 3 optimizer",
+            "Pass e.g. keras.optimizers.SGD(0.01) or keras.optimizers.Adam(1e-3); "
+            "optax optimizers go to stepfuse.jax, torch.optim ones to stepfuse.torch, "
+            "tf.compat.v1.train ones to stepfuse.tf.v1.",
+        )
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        _fail(TypeError, "optimizer", optimizer, "an optimizer that is not a LossScaleOptimizer",
-              "A fused loop stops at a non-finite gradient and never applies it (Stop.NONFINITE), "
-              "while a LossScaleOptimizer needs those steps to lower its scale, so it would never "
-              "train. Use mixed_bfloat16 (no loss scaling needed) or float32, with the inner "
-              "optimizer.")
+        _fail(
+            TypeError,
+            "optimizer",
+            optimizer,
+            "an optimizer that is not a LossScaleOptimizer",
+            "A fused loop stops at a non-finite gradient and never applies it (Stop.NONFINITE), "
+            "while a LossScaleOptimizer needs those steps to lower its scale, so it would never "
+            "train. Use mixed_bfloat16 (no loss scaling needed) or float32, with the inner "
+            "optimizer.",
+        )
 
 
 def _check_variables(variables) -> list:
-    fix = ("Pass a non-empty list of trainable floating-point tf.Variable / keras.Variable, "
-           "a tf.Module, or a built Keras model (e.g. model.trainable_variables).")
+    fix = (
+        "Pass a non-empty list of trainable floating-point tf.Variable / keras.Variable, "
+        "a tf.Module, or a built Keras model (e.g. model.trainable_variables)."
+    )
     given = variables
     if hasattr(variables, "trainable_variables") and not isinstance(variables, (list, tuple)):
         variables = list(variables.trainable_variables)
         if not variables:
-            _fail(ValueError, "variables", given, "a module/model with trainable variables",
-                  "Build the model first (call it once on a batch or give it an Input) "
-                  "and make sure some layers are trainable.")
+            _fail(
+                ValueError,
+                "variables",
+                given,
+                "a module/model with trainable variables",
+                "Build the model first (call it once on a batch or give it an Input) "
+                "and make sure some layers are trainable.",
+            )
     elif isinstance(variables, (tf.Variable, keras.Variable)):
         variables = [variables]
     elif isinstance(variables, (list, tuple)):
         variables = list(variables)
     else:
-        _fail(TypeError, "variables", given, "a list of variables, a tf.Module or a Keras model", fix)
+        _fail(
+            TypeError, "variables", given, "a list of variables, a tf.Module or a Keras model", fix
+        )
     if not variables:
         _fail(ValueError, "variables", given, "a non-empty list of variables", fix)
     seen = set()
     for v in variables:
         if not isinstance(v, (tf.Variable, keras.Variable)):
-            _fail(TypeError, "variables", given, "a list of tf.Variable / keras.Variable only",
-                  f"{v!r} is not a variable. " + fix)
+            _fail(
+                TypeError,
+                "variables",
+                given,
+                "a list of tf.Variable / keras.Variable only",
+                f"{v!r} is not a variable. " + fix,
+            )
         if not v.trainable:
-            _fail(ValueError, "variables", given, "trainable variables",
-                  f"{getattr(v, 'name', v)!r} has trainable=False. " + fix)
+            _fail(
+                ValueError,
+                "variables",
+                given,
+                "trainable variables",
+                f"{getattr(v, 'name', v)!r} has trainable=False. " + fix,
+            )
         if not tf.as_dtype(v.dtype).is_floating:
-            _fail(TypeError, "variables", given, "floating-point variables",
-                  f"{getattr(v, 'name', v)!r} has dtype {tf.as_dtype(v.dtype).name}. " + fix)
+            _fail(
+                TypeError,
+                "variables",
+                given,
+                "floating-point variables",
+                f"{getattr(v, 'name', v)!r} has dtype {tf.as_dtype(v.dtype).name}. " + fix,
+            )
         if id(v) in seen:
             _fail(ValueError, "variables", given, "a list without duplicates", fix)
         seen.add(id(v))
@@ -177,7 +212,9 @@ def _inner_loop(step, m, i0, prev, opts: Options, cap: int, xla: bool = False, d
         loss64 = tf.cast(kept, tf.float64)
         i = i0 + j
         applied = applied + tf.cast(ok, _INT)
-        stop = tf.where(ok, tf.constant(int(Stop.STEPS), _INT), tf.constant(int(Stop.NONFINITE), _INT))
+        stop = tf.where(
+            ok, tf.constant(int(Stop.STEPS), _INT), tf.constant(int(Stop.NONFINITE), _INT)
+        )
         return kept, loss64, applied, stop, tf.equal(i % r, 0), i // r - first_slot
 
     zero = tf.constant(0, _INT)
@@ -206,6 +243,7 @@ def _inner_loop(step, m, i0, prev, opts: Options, cap: int, xla: bool = False, d
 
     last = (prev, tf.constant(math.nan, tf.float64)) if opts.tol is not None else (prev,)
     if not xla:
+
         def body(j, applied, stop, last, buf):
             kept, loss64, applied, stop, recorded, slot = guarded(j, applied)
             if r == 1:
@@ -218,8 +256,11 @@ def _inner_loop(step, m, i0, prev, opts: Options, cap: int, xla: bool = False, d
         # call at cap = 16,384 however few steps ran (the seed, a 1-step call).
         buf = tf.TensorArray(dtype, size=0, dynamic_size=True, element_shape=[])
         j, applied, stop, last, buf = tf.while_loop(
-            lambda j, a, s, p, b: running(j, s, p), body, (zero, zero, zero, last, buf),
-            maximum_iterations=m)
+            lambda j, a, s, p, b: running(j, s, p),
+            body,
+            (zero, zero, zero, last, buf),
+            maximum_iterations=m,
+        )
         buf = buf.stack()
     else:
         C = _XLA_CHUNK
@@ -231,17 +272,22 @@ def _inner_loop(step, m, i0, prev, opts: Options, cap: int, xla: bool = False, d
 
             def body(j, applied, stop, last, small):
                 kept, loss64, applied, stop, recorded, slot = guarded(j, applied)
-                small = tf.where(tf.logical_and(recorded, tf.equal(where, slot - k * C)), kept, small)
+                small = tf.where(
+                    tf.logical_and(recorded, tf.equal(where, slot - k * C)), kept, small
+                )
                 return j + 1, applied, stop, shift(last, loss64), small
 
             j, applied, stop, last, small = tf.while_loop(
-                lambda j, a, s, p, b: tf.logical_and(running(j, s, p), j < end), body,
-                (j, applied, stop, last, tf.fill([C], tf.constant(math.nan, dtype))))
+                lambda j, a, s, p, b: tf.logical_and(running(j, s, p), j < end),
+                body,
+                (j, applied, stop, last, tf.fill([C], tf.constant(math.nan, dtype))),
+            )
             return j, applied, stop, last, chunks.write(k, small), k + 1
 
         chunks = tf.TensorArray(dtype, size=-(-cap // C), element_shape=[C])
         j, applied, stop, last, chunks, _ = tf.while_loop(
-            lambda j, a, s, p, c, k: running(j, s, p), chunk, (zero, zero, zero, last, chunks, zero))
+            lambda j, a, s, p, c, k: running(j, s, p), chunk, (zero, zero, zero, last, chunks, zero)
+        )
         buf = tf.reshape(chunks.stack(), [-1])
     if opts.tol is not None:
         met = tf.logical_and(tf.equal(stop, 0), converged(last))
@@ -250,8 +296,18 @@ def _inner_loop(step, m, i0, prev, opts: Options, cap: int, xla: bool = False, d
     return buf, count, j, applied, stop, last[0]
 
 
-def _outer_loop(inner, n, step0, opts: Options, chunk: int, notify=None, publish=None, speed=None,
-                dtype=tf.float32, count=None):
+def _outer_loop(
+    inner,
+    n,
+    step0,
+    opts: Options,
+    chunk: int,
+    notify=None,
+    publish=None,
+    speed=None,
+    dtype=tf.float32,
+    count=None,
+):
     """A whole call: ``inner`` chunks of at most ``chunk`` steps until ``n`` or a stop.
 
     Runs outside XLA, so the trace can grow with ``n`` (a TensorArray of the chunks'
@@ -296,7 +352,8 @@ def _outer_loop(inner, n, step0, opts: Options, chunk: int, notify=None, publish
             ticks = tf.cond(
                 due,
                 lambda: ticks + tf.reshape(tf.numpy_function(notify, [gstep, prev], _INT), []),
-                lambda: ticks)
+                lambda: ticks,
+            )
             with tf.control_dependencies([ticks]):  # a TF1 graph would prune the unread count
                 j = tf.identity(j)
         return i + j, applied, stop, prev, ta, k + 1, ticks, clock
@@ -304,8 +361,16 @@ def _outer_loop(inner, n, step0, opts: Options, chunk: int, notify=None, publish
     ta = tf.TensorArray(dtype, size=0, dynamic_size=True, infer_shape=False, element_shape=[None])
     # (time the last chunk ended, its steps per second): sizes a bar's chunks
     clock = tf.stack([tf.timestamp(), tf.constant(0, tf.float64) if speed is None else speed])
-    init = (tf.constant(0, _INT), tf.constant(0, _INT), tf.constant(0, _INT),
-            tf.constant(math.nan, tf.float64), ta, tf.constant(0, _INT), tf.constant(0, _INT), clock)
+    init = (
+        tf.constant(0, _INT),
+        tf.constant(0, _INT),
+        tf.constant(0, _INT),
+        tf.constant(math.nan, tf.float64),
+        ta,
+        tf.constant(0, _INT),
+        tf.constant(0, _INT),
+        clock,
+    )
     _, applied, stop, prev, ta, _, _, _ = tf.while_loop(cond, body, init)
     return ta.concat(), applied, stop, prev
 
@@ -323,7 +388,12 @@ class Fit:
     """
 
     def __init__(self, loss_fn, optimizer, variables, opts: Options, jit_compile: bool, held=()):
-        self.loss_fn, self.optimizer, self.variables, self.opts = loss_fn, optimizer, variables, opts
+        self.loss_fn, self.optimizer, self.variables, self.opts = (
+            loss_fn,
+            optimizer,
+            variables,
+            opts,
+        )
         self.jit_compile = bool(jit_compile)
         self.step = 0
         self.traces = 0
@@ -343,8 +413,11 @@ class Fit:
         # Measured on the seed problem (every=100, 1,000 notifications per call): ~20 us per
         # notification, against ~110 us through tf.numpy_function, which a callback needs
         # (it may raise, and the loop must stop there).
-        self._published = (tf.Variable([math.nan, math.nan], dtype=tf.float64, trainable=False)
-                           if opts.progress and opts.callback is None else None)
+        self._published = (
+            tf.Variable([math.nan, math.nan], dtype=tf.float64, trainable=False)
+            if opts.progress and opts.callback is None
+            else None
+        )
         # The last call's speed (steps per second) sizes a bar's first chunk: one XLA launch
         # less per call (a launch costs ~0.4-1 ms here; see _PUBLISH_SECONDS).
         self._steps_per_second = 0.0
@@ -354,10 +427,10 @@ class Fit:
         # alone sizes its chunks by time (see `_outer_loop`), so only `chunk` bounds them.
         window = min(self._chunk, opts.every) if opts.callback is not None else self._chunk
         self._cap = -(-window // opts.record_every)
-        self._notifier: Optional[Notifier] = None
-        self._notified_step: Optional[int] = None
+        self._notifier: Notifier | None = None
+        self._notified_step: int | None = None
         self._trace_dtype = tf.float32  # the loss dtype of the batch being traced (see `_call`)
-        self._callback_error: Optional[BaseException] = None
+        self._callback_error: BaseException | None = None
         self._learning_rate = _learning_rate_of(optimizer)  # what the programs were traced with
         # The nesting of the batch the programs were traced for: they take its tensors
         # flat and `_loss_and_grads` packs them back for loss_fn (dicts, tuples ...).
@@ -376,8 +449,11 @@ class Fit:
         # one launch without the graph loop around it (measured on the seed with XLA, two
         # instances, best of 15 x 20 calls: 1 step 0.76-0.81 -> 0.40-0.42 ms a call; 10
         # steps 0.82-0.88 -> 0.43-0.46; 100 steps 1.02-1.04 -> 0.50-0.61).
-        self._whole = (None if self.opts.notify else
-                       tf.function(self._whole_py, jit_compile=self.jit_compile, autograph=False))
+        self._whole = (
+            None
+            if self.opts.notify
+            else tf.function(self._whole_py, jit_compile=self.jit_compile, autograph=False)
+        )
         self._single = None
         self._concrete = {}  # (program, batch signature) -> the traced function; see `_call`
 
@@ -412,8 +488,11 @@ class Fit:
         signature, before the program is traced: inside it the loss is known only within
         the loop, after its buffers are made."""
         specs = [tf.TensorSpec(b.shape, b.dtype) for b in batch]
-        loss = tf.function(lambda *b: self._loss_and_grads(b)[0], autograph=False).get_concrete_function(
-            *specs).structured_outputs
+        loss = (
+            tf.function(lambda *b: self._loss_and_grads(b)[0], autograph=False)
+            .get_concrete_function(*specs)
+            .structured_outputs
+        )
         return tf.float64 if loss.dtype.base_dtype == tf.float64 else tf.float32
 
     def _loss_and_grads(self, batch):
@@ -424,26 +503,39 @@ class Fit:
             except NotImplementedError as e:
                 if "numpy()" not in str(e):
                     raise
-                _fail(TypeError, "loss_fn", self.loss_fn, "traceable (it runs inside tf.function)",
-                      f"It called .numpy() ({e}); use the variables and tensors themselves, "
-                      "e.g. tf.matmul(x, kernel) rather than kernel.numpy().")
+                _fail(
+                    TypeError,
+                    "loss_fn",
+                    self.loss_fn,
+                    "traceable (it runs inside tf.function)",
+                    f"It called .numpy() ({e}); use the variables and tensors themselves, "
+                    "e.g. tf.matmul(x, kernel) rather than kernel.numpy().",
+                )
             except (TypeError, ValueError) as e:
                 if isinstance(e, _ArgumentError):
                     raise
-                shapes = tf.nest.map_structure(lambda b: f"{b.dtype.name}{list(b.shape)}", list(batch))
+                shapes = tf.nest.map_structure(
+                    lambda b: f"{b.dtype.name}{list(b.shape)}", list(batch)
+                )
                 exc = TypeError if isinstance(e, TypeError) else ValueError
                 raise exc(
                     f"`batch` must fit loss_fn; got {len(batch)} tensor(s) {shapes} and "
                     f"loss_fn(*batch) failed while tracing: {e} -- Pass the tensors loss_fn "
-                    "expects (count, shapes, dtypes), e.g. fit(x, y) for loss_fn(x, y).") from e
+                    "expects (count, shapes, dtypes), e.g. fit(x, y) for loss_fn(x, y)."
+                ) from e
         _check_loss(loss, self.loss_fn)
         loss = tf.convert_to_tensor(loss)
         grads = tape.gradient(loss, self._tf_vars)
         missing = [v.name for v, g in zip(self._tf_vars, grads) if g is None]
         if missing:
-            _fail(ValueError, "loss_fn", self.loss_fn, "a loss that depends on every variable",
-                  f"No gradient reaches {missing}: read those variables inside loss_fn "
-                  "(not their numpy() values), or leave them out of `variables`.")
+            _fail(
+                ValueError,
+                "loss_fn",
+                self.loss_fn,
+                "a loss that depends on every variable",
+                f"No gradient reaches {missing}: read those variables inside loss_fn "
+                "(not their numpy() values), or leave them out of `variables`.",
+            )
         return loss, grads
 
     def _apply_checked(self, loss, grads):
@@ -472,21 +564,30 @@ class Fit:
             loss, grads = self._loss_and_grads(batch)
             return loss, self._guarded_update(loss, grads, held)
 
-        return _inner_loop(step, m, i0, prev, self.opts, self._cap, xla=self.jit_compile,
-                           dtype=self._trace_dtype)
+        return _inner_loop(
+            step, m, i0, prev, self.opts, self._cap, xla=self.jit_compile, dtype=self._trace_dtype
+        )
 
     def _whole_py(self, n, *batch):
         self.traces += 1
         buf, count, _, applied, stop, _ = self._inner_py(
-            n, tf.constant(0, _INT), tf.constant(math.nan, tf.float64), *batch)
+            n, tf.constant(0, _INT), tf.constant(math.nan, tf.float64), *batch
+        )
         return buf, count, applied, stop
 
     def _outer_py(self, n, step0, speed, *batch):
         self.traces += 1
-        return _outer_loop(lambda m, i0, prev: self._inner(m, i0, prev, *batch), n, step0,
-                           self.opts, self._chunk,
-                           self._notify_host if self.opts.notify and self._published is None else None,
-                           self._published, speed, dtype=self._trace_dtype)
+        return _outer_loop(
+            lambda m, i0, prev: self._inner(m, i0, prev, *batch),
+            n,
+            step0,
+            self.opts,
+            self._chunk,
+            self._notify_host if self.opts.notify and self._published is None else None,
+            self._published,
+            speed,
+            dtype=self._trace_dtype,
+        )
 
     def _notify_host(self, step, loss):
         step = int(step)
@@ -508,7 +609,8 @@ class Fit:
                 "stepfuse.tf: call the fit eagerly, not inside a tf.function or graph: it "
                 "compiles its own tf.function (all steps in one call) and reads the trace "
                 "back on the host. Call fit(*batch) from Python; for TF1 graphs use "
-                "stepfuse.tf.v1.fuse.")
+                "stepfuse.tf.v1.fuse."
+            )
         batch, structure = _flat_batch(batch)
         start = self.step
         if structure != self._structure:  # another nesting of tensors: trace again
@@ -543,27 +645,37 @@ class Fit:
                 self._notifier = None
             notifier.done(applied, None if last is None else float(last))
             self.step = start + int(applied)
-        return finish(host_trace(losses, int(applied), int(stop), self.opts.record_every),
-                      self.opts, start)
+        return finish(
+            host_trace(losses, int(applied), int(stop), self.opts.record_every), self.opts, start
+        )
 
     def _run(self, n, start, batch):
         """The call's program: ``(losses as numpy, applied, stop, last loss)``; the last loss
         only from the program that notifies (else None)."""
         whole = self._whole is not None and n <= self._chunk
         if whole:
+
             def run():
                 buf, count, applied, stop = self._call(self._whole, (tf.constant(n, _INT),), batch)
-                return buf.numpy()[:int(count)], applied, stop, None
+                return buf.numpy()[: int(count)], applied, stop, None
         else:
+
             def run():
                 t0 = time.perf_counter()
                 losses, applied, stop, last = self._call(
-                    self._outer, (tf.constant(n, _INT), tf.constant(start, tf.int64),
-                                  tf.constant(self._steps_per_second, tf.float64)), batch)
+                    self._outer,
+                    (
+                        tf.constant(n, _INT),
+                        tf.constant(start, tf.int64),
+                        tf.constant(self._steps_per_second, tf.float64),
+                    ),
+                    batch,
+                )
                 losses = losses.numpy()
                 if self._published is not None and int(applied):
                     self._steps_per_second = int(applied) / (time.perf_counter() - t0)
                 return losses, applied, stop, last
+
         return self._xla_or_plain(whole, run, "the fused loop", stacklevel=4)
 
     def _xla_or_plain(self, key, run, what: str, stacklevel: int):
@@ -577,12 +689,15 @@ class Fit:
             except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as e:
                 msg = str(e)
                 if self._callback_error is not None or not any(
-                        s in msg for s in ("XLA", "xla", "compil", "Compil")):
+                    s in msg for s in ("XLA", "xla", "compil", "Compil")
+                ):
                     raise
                 warnings.warn(
                     f"stepfuse.tf: {what} could not be XLA-compiled, so it runs without XLA "
                     f"(slower). Pass jit_compile=False to silence this. Cause: {msg.splitlines()[0][:300]}",
-                    RuntimeWarning, stacklevel=stacklevel)
+                    RuntimeWarning,
+                    stacklevel=stacklevel,
+                )
                 self.jit_compile = False
                 self._build()
                 out = run()
@@ -599,19 +714,24 @@ class Fit:
             for v, old in zip(self._state, snapshot):
                 v.assign(old)
         # A refused step also leaves the model's other variables as they were before it.
-        tf.cond(finite, tf.no_op, lambda: tf.group(*[v.assign(o) for v, o in zip(self._held, held)]))
+        tf.cond(
+            finite, tf.no_op, lambda: tf.group(*[v.assign(o) for v, o in zip(self._held, held)])
+        )
         return loss, finite, new
 
     def _propose_once(self, batch):
         """One proposed step through a ``tf.function``, XLA-compiled as the fused loop is
         (so random ops, e.g. Dropout, draw what the fused loop draws)."""
-        return self._xla_or_plain("stepwise", lambda: self._stepwise_functions()[0](*batch), "the step",
-                                  stacklevel=7)
+        return self._xla_or_plain(
+            "stepwise", lambda: self._stepwise_functions()[0](*batch), "the step", stacklevel=7
+        )
 
     def _stepwise_functions(self):
         if self._single is None:
-            self._single = (tf.function(self._propose_py, autograph=False, jit_compile=self.jit_compile),
-                            tf.function(self._commit_py, autograph=False))
+            self._single = (
+                tf.function(self._propose_py, autograph=False, jit_compile=self.jit_compile),
+                tf.function(self._commit_py, autograph=False),
+            )
             self.traces += 1
         return self._single
 
@@ -632,8 +752,9 @@ class Fit:
                 self.step += 1
 
         with Notifier(self.opts, start, n, label="stepfuse.tf") as notifier:
-            trace = run_stepwise(propose, commit, n, self.opts, start,
-                                 notifier if self.opts.notify else None)
+            trace = run_stepwise(
+                propose, commit, n, self.opts, start, notifier if self.opts.notify else None
+            )
             notifier.done(trace.steps)
         return finish(trace, self.opts, start)
 
@@ -649,14 +770,16 @@ def _flat_batch(batch):
             raise TypeError(
                 f"`batch` must hold dense tensors; got a {type(b).__name__} ({b.dtype.name}, shape "
                 f"{list(b.shape)}) as tensor {i}. Pass it dense (tf.sparse.to_dense / .to_tensor()), "
-                "or its component tensors, and rebuild it inside loss_fn.")
+                "or its component tensors, and rebuild it inside loss_fn."
+            )
         try:
             flat.append(tf.convert_to_tensor(b))
         except (TypeError, ValueError) as e:
             raise TypeError(
                 f"`batch` must hold tensors (or arrays, numbers), also inside dicts, tuples and "
                 f"lists; tensor {i} of it is {type(b).__name__}, which TensorFlow cannot convert "
-                f"({e}). Pass the values loss_fn needs as tensors.") from None
+                f"({e}). Pass the values loss_fn needs as tensors."
+            ) from None
     return tuple(flat), tf.nest.map_structure(lambda _: 0, batch)
 
 
@@ -670,14 +793,29 @@ def _check_loss(loss, loss_fn) -> None:
     try:
         t = tf.convert_to_tensor(loss)
     except (TypeError, ValueError):
-        _fail(TypeError, "loss_fn", loss_fn, "a function returning a scalar float tensor",
-              f"It returned {loss!r}; return e.g. tf.reduce_mean(...).")
+        _fail(
+            TypeError,
+            "loss_fn",
+            loss_fn,
+            "a function returning a scalar float tensor",
+            f"It returned {loss!r}; return e.g. tf.reduce_mean(...).",
+        )
     if t.shape.rank != 0:
-        _fail(ValueError, "loss_fn", loss_fn, "a function returning a scalar (shape ())",
-              f"It returned a tensor of shape {t.shape}; reduce it, e.g. tf.reduce_mean(loss).")
+        _fail(
+            ValueError,
+            "loss_fn",
+            loss_fn,
+            "a function returning a scalar (shape ())",
+            f"It returned a tensor of shape {t.shape}; reduce it, e.g. tf.reduce_mean(loss).",
+        )
     if not t.dtype.is_floating:
-        _fail(TypeError, "loss_fn", loss_fn, "a function returning a floating-point scalar",
-              f"It returned dtype {t.dtype.name}; cast it, e.g. tf.cast(loss, tf.float32).")
+        _fail(
+            TypeError,
+            "loss_fn",
+            loss_fn,
+            "a function returning a floating-point scalar",
+            f"It returned dtype {t.dtype.name}; cast it, e.g. tf.cast(loss, tf.float32).",
+        )
     return t
 
 
@@ -687,10 +825,10 @@ def fuse(
     variables,
     *,
     steps: int,
-    tol: Optional[float] = None,
+    tol: float | None = None,
     record_every: int = 1,
-    callback: Optional[Callable[[int, float], Any]] = None,
-    every: Optional[int] = None,
+    callback: Callable[[int, float], Any] | None = None,
+    every: int | None = None,
     progress: bool = False,
     on_nonfinite: str = "stop",
     mode: str = "fused",
@@ -727,16 +865,26 @@ def fuse(
     """
     opts = check_options(steps, tol, record_every, callback, every, progress, on_nonfinite, mode)
     if not callable(loss_fn):
-        _fail(TypeError, "loss_fn", loss_fn, "callable as loss_fn(*batch) -> scalar tensor",
-              "Pass a function that reads the variables and returns the loss.")
+        _fail(
+            TypeError,
+            "loss_fn",
+            loss_fn,
+            "callable as loss_fn(*batch) -> scalar tensor",
+            "Pass a function that reads the variables and returns the loss.",
+        )
     _check_optimizer(optimizer)
     # A model's non-trainable variables (BatchNorm statistics, dropout seeds) change in the
     # forward pass: a refused step puts them back too.
     held = list(getattr(variables, "non_trainable_variables", None) or [])  # a module's or model's
     variables = _check_variables(variables)
     if not isinstance(jit_compile, bool):
-        _fail(TypeError, "jit_compile", jit_compile, "True or False",
-              "Pass jit_compile=False to run the loop without XLA.")
+        _fail(
+            TypeError,
+            "jit_compile",
+            jit_compile,
+            "True or False",
+            "Pass jit_compile=False to run the loop without XLA.",
+        )
     return Fit(loss_fn, optimizer, variables, opts, jit_compile, held=held)
 
 

@@ -34,8 +34,10 @@ def _check_fit(fit: Any, name: str = "fit"):
     from . import Fit
 
     if not isinstance(fit, Fit):
-        raise TypeError(f"`{name}` must be a stepfuse.tf Fit (from stepfuse.tf.fuse); got "
-                        f"{fit!r} ({type(fit).__name__}). For TF1 graph mode use checkpoint.saver(fused).")
+        raise TypeError(
+            f"`{name}` must be a stepfuse.tf Fit (from stepfuse.tf.fuse); got "
+            f"{fit!r} ({type(fit).__name__}). For TF1 graph mode use checkpoint.saver(fused)."
+        )
     return fit
 
 
@@ -46,18 +48,21 @@ def make(fit) -> tf.train.Checkpoint:
     `save` and `restore` keep it in sync with ``fit.step``.
     """
     _check_fit(fit)
-    return tf.train.Checkpoint(variables=list(fit.variables), optimizer=fit.optimizer,
-                               step=tf.Variable(int(fit.step), dtype=tf.int64, trainable=False))
+    return tf.train.Checkpoint(
+        variables=list(fit.variables),
+        optimizer=fit.optimizer,
+        step=tf.Variable(int(fit.step), dtype=tf.int64, trainable=False),
+    )
 
 
-def save(path: "str | os.PathLike[str]", fit) -> str:
+def save(path: str | os.PathLike[str], fit) -> str:
     """Write ``fit``'s state to the checkpoint prefix ``path``; returns the prefix written."""
     ckpt = make(fit)
     ckpt.step.assign(int(fit.step))
     return ckpt.write(os.fspath(path))
 
 
-def restore(path: "str | os.PathLike[str]", fit) -> None:
+def restore(path: str | os.PathLike[str], fit) -> None:
     """Load the checkpoint prefix ``path`` into ``fit`` (variables, optimizer, step count).
 
     ``fit`` must be built the same way as the saved one (same variables and optimizer
@@ -67,8 +72,10 @@ def restore(path: "str | os.PathLike[str]", fit) -> None:
     ckpt = make(fit)
     path = os.fspath(path)
     if not tf.io.gfile.exists(path + ".index"):
-        raise FileNotFoundError(f"`path` must be a checkpoint prefix written by save(); got {path!r} "
-                                f"(no {path}.index). Pass the value save() returned.")
+        raise FileNotFoundError(
+            f"`path` must be a checkpoint prefix written by save(); got {path!r} "
+            f"(no {path}.index). Pass the value save() returned."
+        )
     # Compare the file's entries (names, shapes, dtypes) with what this fit would write
     # *before* reading, so a mismatched checkpoint changes nothing.
     with tempfile.TemporaryDirectory() as tmp:
@@ -82,7 +89,8 @@ def restore(path: "str | os.PathLike[str]", fit) -> None:
             f"`path` must be a checkpoint of a fit built like this one; got {path!r} with "
             f"missing entries {missing[:5]}, unexpected entries {extra[:5]}, different "
             f"shape/dtype {differ[:5]}. Build the fit with the same variables and optimizer "
-            "class as the one that was saved. Nothing was restored.")
+            "class as the one that was saved. Nothing was restored."
+        )
     ckpt.read(path).assert_consumed()
     fit.step = int(ckpt.step.numpy())
 
@@ -90,7 +98,9 @@ def restore(path: "str | os.PathLike[str]", fit) -> None:
 def _entries(path: str) -> dict:
     reader = tf.train.load_checkpoint(path)
     shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
-    return {k: (tuple(shapes[k]), dtypes[k].name) for k in shapes if k != "_CHECKPOINTABLE_OBJECT_GRAPH"}
+    return {
+        k: (tuple(shapes[k]), dtypes[k].name) for k in shapes if k != "_CHECKPOINTABLE_OBJECT_GRAPH"
+    }
 
 
 def saver(fused, **kwargs):

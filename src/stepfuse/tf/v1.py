@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable, Dict, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 from .._loop import Notifier, finish, run_stepwise
 from .._options import Options, check_int, check_options, check_steps
-from . import _MIN_CHUNK, _all_finite, _check_loss, _fail, _inner_loop, _outer_loop
 from .._trace import Trace, host_trace
+from . import _MIN_CHUNK, _all_finite, _check_loss, _fail, _inner_loop, _outer_loop
 
 __all__ = ["fuse", "Fused", "Stepwise", "copies_train_op"]
 
@@ -32,14 +33,20 @@ def _check_graph_mode() -> None:
             "stepfuse.tf.v1.fuse builds a TF1 graph but TensorFlow is executing eagerly. "
             "Build inside `with tf.Graph().as_default():` (and run with "
             "tf.compat.v1.Session(graph=...)), or call tf.compat.v1.disable_eager_execution() "
-            "first; for eager TF2 / Keras use stepfuse.tf.fuse.")
+            "first; for eager TF2 / Keras use stepfuse.tf.fuse."
+        )
 
 
 def _check_optimizer(optimizer) -> None:
     if not isinstance(optimizer, tf1.train.Optimizer):
-        _fail(TypeError, "optimizer", optimizer, "a tf.compat.v1.train optimizer",
-              "Pass e.g. tf.compat.v1.train.GradientDescentOptimizer(0.01) or AdamOptimizer(); "
-              "Keras optimizers go to stepfuse.tf.fuse.")
+        _fail(
+            TypeError,
+            "optimizer",
+            optimizer,
+            "a tf.compat.v1.train optimizer",
+            "Pass e.g. tf.compat.v1.train.GradientDescentOptimizer(0.01) or AdamOptimizer(); "
+            "Keras optimizers go to stepfuse.tf.fuse.",
+        )
 
 
 def _as_var(v):
@@ -54,8 +61,10 @@ def _as_var(v):
 
 def _check_var_list(var_list, given, found: str = "") -> list:
     """``found``: for ``var_list=None``, which variables that took (said in every error)."""
-    fix = found + ("Pass var_list=None for the graph's trainable variables, or a non-empty list of "
-                   "trainable floating-point variables that loss_fn reads.")
+    fix = found + (
+        "Pass var_list=None for the graph's trainable variables, or a non-empty list of "
+        "trainable floating-point variables that loss_fn reads."
+    )
     if var_list is None or isinstance(var_list, (str, bytes)) or not hasattr(var_list, "__iter__"):
         _fail(TypeError, "var_list", given, "a list of variables or None", fix)
     var_list = [_as_var(v) for v in var_list]
@@ -65,14 +74,24 @@ def _check_var_list(var_list, given, found: str = "") -> list:
         if not isinstance(v, tf.Variable):
             _fail(TypeError, "var_list", given, "a list of variables only", f"{v!r}: " + fix)
         if not v.dtype.base_dtype.is_floating:
-            _fail(TypeError, "var_list", given, "floating-point variables",
-                  f"{v.name} has dtype {v.dtype.base_dtype.name}. " + fix)
+            _fail(
+                TypeError,
+                "var_list",
+                given,
+                "floating-point variables",
+                f"{v.name} has dtype {v.dtype.base_dtype.name}. " + fix,
+            )
         if _is_ref(v):
-            _fail(TypeError, "var_list", given, "resource variables",
-                  f"{v.name} is a reference variable (dtype {v.dtype.name}), which the fused loop "
-                  "cannot update. Call tf.compat.v1.enable_resource_variables() after "
-                  "disable_v2_behavior() and before building the graph, or create the variables "
-                  "with use_resource=True.")
+            _fail(
+                TypeError,
+                "var_list",
+                given,
+                "resource variables",
+                f"{v.name} is a reference variable (dtype {v.dtype.name}), which the fused loop "
+                "cannot update. Call tf.compat.v1.enable_resource_variables() after "
+                "disable_v2_behavior() and before building the graph, or create the variables "
+                "with use_resource=True.",
+            )
     return var_list
 
 
@@ -115,7 +134,10 @@ def _warn_stale_hyper_parameters(optimizer, state) -> None:
                 "variable the loop changes (the global step?): it is read once per run, so every "
                 "step of a run uses the same value. Give the optimizer a callable instead, e.g. "
                 "learning_rate=lambda: tf1.train.exponential_decay(..., global_step, ...), which it "
-                "evaluates at every step.", RuntimeWarning, stacklevel=3)
+                "evaluates at every step.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
 
 def _reuse_scope():
@@ -126,8 +148,13 @@ def _prepare(loss_fn, optimizer, var_list):
     """Checks, the first (variable-creating) forward pass, the var list and the slots."""
     _check_graph_mode()
     if not callable(loss_fn):
-        _fail(TypeError, "loss_fn", loss_fn, "callable as loss_fn() -> scalar tensor",
-              "Pass a function that builds the loss from placeholders and variables.")
+        _fail(
+            TypeError,
+            "loss_fn",
+            loss_fn,
+            "callable as loss_fn() -> scalar tensor",
+            "Pass a function that builds the loss from placeholders and variables.",
+        )
     _check_optimizer(optimizer)
     loss0 = _check_loss(loss_fn(), loss_fn)  # creates the variables (tf1.get_variable, layers)
     given = var_list
@@ -136,15 +163,23 @@ def _prepare(loss_fn, optimizer, var_list):
         # model's in the same graph are not this loss's).
         read = _handles_read(loss0)
         everything = tf1.trainable_variables()
-        var_list = [v for v in everything if _is_ref(v)  # refused below, by name
-                    or (getattr(v, "handle", None) is not None and v.handle.name in read)]
+        var_list = [
+            v
+            for v in everything
+            if _is_ref(v)  # refused below, by name
+            or (getattr(v, "handle", None) is not None and v.handle.name in read)
+        ]
         resource = [v for v in var_list if not _is_ref(v)]
-        if resource:  # and, as minimize, not those the loss reads without a gradient (stop_gradient ...)
+        if (
+            resource
+        ):  # and, as minimize, not those the loss reads without a gradient (stop_gradient ...)
             grads = tf.gradients(loss0, resource, unconnected_gradients="none")
             dropped = {id(v) for v, g in zip(resource, grads) if g is None}
             var_list = [v for v in var_list if id(v) not in dropped]
-        found = (f"var_list=None took the trainable variables the loss reads: "
-                 f"{[v.name for v in var_list]} of {[v.name for v in everything]}. ")
+        found = (
+            f"var_list=None took the trainable variables the loss reads: "
+            f"{[v.name for v in var_list]} of {[v.name for v in everything]}. "
+        )
     else:
         found = ""
     var_list = _check_var_list(var_list, given, found)
@@ -168,13 +203,20 @@ def _step_ops(loss_fn, optimizer, var_list, state, global_step=None):
         gvs = optimizer.compute_gradients(loss, var_list)
     missing = [v.name for g, v in gvs if g is None]
     if missing:
-        _fail(ValueError, "loss_fn", loss_fn, "a loss that depends on every variable in var_list",
-              f"No gradient reaches {missing}: use those variables in loss_fn or leave them "
-              "out of `var_list`. (If loss_fn makes its variables with tf.Variable or a new Keras "
-              "layer on each call, make them once before fuse, outside loss_fn: loss_fn is called "
-              "again inside the loop, where only tf1.get_variable reuses what the first call made.)")
+        _fail(
+            ValueError,
+            "loss_fn",
+            loss_fn,
+            "a loss that depends on every variable in var_list",
+            f"No gradient reaches {missing}: use those variables in loss_fn or leave them "
+            "out of `var_list`. (If loss_fn makes its variables with tf.Variable or a new Keras "
+            "layer on each call, make them once before fuse, outside loss_fn: loss_fn is called "
+            "again inside the loop, where only tf1.get_variable reuses what the first call made.)",
+        )
     grads = [g for g, _ in gvs]
-    with tf.control_dependencies([loss] + [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]):
+    with tf.control_dependencies(
+        [loss] + [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
+    ):
         snapshot = [tf.identity(v.read_value()) for v in state]
     with tf.control_dependencies(snapshot + [loss]):
         apply = optimizer.apply_gradients(gvs, global_step=global_step)
@@ -207,10 +249,12 @@ class Fused:
     def __init__(self, **kw):
         self.__dict__.update(kw)
 
-    def run(self, sess, feed_dict: Optional[Dict] = None, steps: Optional[int] = None) -> Trace:
+    def run(self, sess, feed_dict: dict | None = None, steps: int | None = None) -> Trace:
         """Run the loop once in ``sess`` and return the host `stepfuse.Trace`."""
         feed = dict(feed_dict or {})
-        if steps is not None and not (type(steps) is int and steps == self.opts.steps and self.max_steps):
+        if steps is not None and not (
+            type(steps) is int and steps == self.opts.steps and self.max_steps
+        ):
             n = _check_run_steps(steps, self.max_steps)
             if self.max_steps is None or n != self.opts.steps:  # a feed costs ~45 us a run
                 feed[self.steps] = n
@@ -229,11 +273,17 @@ class Fused:
                 # plain loop); the graph's count already says so (see `_outer_loop`).
                 self.step = self.notes["step"]
                 raise error from None
-        tail = packed[-3:].astype(np.int32) if packed.dtype == np.float64 else packed[-3:].view(np.int32)
+        tail = (
+            packed[-3:].astype(np.int32)
+            if packed.dtype == np.float64
+            else packed[-3:].view(np.int32)
+        )
         count, applied, stop = tail.tolist()
         start = self.step
         self.step += applied
-        return finish(host_trace(packed[:count], applied, stop, self.opts.record_every), self.opts, start)
+        return finish(
+            host_trace(packed[:count], applied, stop, self.opts.record_every), self.opts, start
+        )
 
 
 class Stepwise:
@@ -247,7 +297,7 @@ class Stepwise:
     def __init__(self, **kw):
         self.__dict__.update(kw)
 
-    def run(self, sess, feed_dict: Optional[Dict] = None, steps: Optional[int] = None) -> Trace:
+    def run(self, sess, feed_dict: dict | None = None, steps: int | None = None) -> Trace:
         """Run ``steps`` (default: the built ``steps``; a tensor ``steps`` is evaluated
         with ``feed_dict``) single steps; returns the `Trace`."""
         feed = dict(feed_dict or {})
@@ -265,17 +315,24 @@ class Stepwise:
 
         start = self.step
         with Notifier(self.opts, start, n, label="stepfuse.tf.v1") as notifier:
-            trace = run_stepwise(propose, commit, n, self.opts, start, notifier if self.opts.notify else None)
+            trace = run_stepwise(
+                propose, commit, n, self.opts, start, notifier if self.opts.notify else None
+            )
             notifier.done(trace.steps)
         return finish(trace, self.opts, start)
 
 
-def _check_run_steps(steps, most: Optional[int] = None) -> int:
+def _check_run_steps(steps, most: int | None = None) -> int:
     n = check_steps(steps)
     if most is not None and n > most:
-        _fail(ValueError, "steps", steps, f"at most {most} (the chunk this graph was built with)",
-              f"Build with fuse(..., steps={n}) (or chunk={n}), or give steps as an int32 "
-              "tensor (a placeholder) to chain chunks in one run.")
+        _fail(
+            ValueError,
+            "steps",
+            steps,
+            f"at most {most} (the chunk this graph was built with)",
+            f"Build with fuse(..., steps={n}) (or chunk={n}), or give steps as an int32 "
+            "tensor (a placeholder) to chain chunks in one run.",
+        )
     return n
 
 
@@ -284,16 +341,16 @@ def fuse(
     optimizer,
     *,
     steps,
-    var_list: Optional[List] = None,
-    tol: Optional[float] = None,
+    var_list: list | None = None,
+    tol: float | None = None,
     record_every: int = 1,
     mode: str = "fused",
     jit_compile: bool = True,
-    chunk: Optional[int] = None,
+    chunk: int | None = None,
     on_nonfinite: str = "stop",
     global_step=None,
-    callback: Optional[Callable[[int, float], Any]] = None,
-    every: Optional[int] = None,
+    callback: Callable[[int, float], Any] | None = None,
+    every: int | None = None,
 ):
     """Build ``steps`` TF1 optimizer updates that run inside one ``sess.run``.
 
@@ -365,35 +422,65 @@ def fuse(
     """
     steps_given = steps
     if not isinstance(jit_compile, bool):
-        _fail(TypeError, "jit_compile", jit_compile, "True or False",
-              "Pass jit_compile=False to run the loop without XLA.")
+        _fail(
+            TypeError,
+            "jit_compile",
+            jit_compile,
+            "True or False",
+            "Pass jit_compile=False to run the loop without XLA.",
+        )
     if isinstance(steps, (tf.Tensor, tf.Variable)):
         if not steps.dtype.base_dtype.is_integer or (steps.shape.rank not in (None, 0)):
-            _fail(TypeError, "steps", steps, "an int >= 1 or a scalar integer tensor",
-                  "Pass e.g. steps=100 or steps=tf.compat.v1.placeholder(tf.int32, []).")
-        opts = check_options(1, tol, record_every, callback, every, on_nonfinite=on_nonfinite, mode=mode)
+            _fail(
+                TypeError,
+                "steps",
+                steps,
+                "an int >= 1 or a scalar integer tensor",
+                "Pass e.g. steps=100 or steps=tf.compat.v1.placeholder(tf.int32, []).",
+            )
+        opts = check_options(
+            1, tol, record_every, callback, every, on_nonfinite=on_nonfinite, mode=mode
+        )
     else:
-        opts = check_options(steps, tol, record_every, callback, every, on_nonfinite=on_nonfinite, mode=mode)
-    if global_step is not None and not (isinstance(global_step, tf.Variable)
-                                        and global_step.dtype.base_dtype.is_integer
-                                        and global_step.shape.rank == 0):
-        _fail(TypeError, "global_step", global_step, "None or a scalar integer variable",
-              "Pass e.g. tf1.train.get_or_create_global_step().")
+        opts = check_options(
+            steps, tol, record_every, callback, every, on_nonfinite=on_nonfinite, mode=mode
+        )
+    if global_step is not None and not (
+        isinstance(global_step, tf.Variable)
+        and global_step.dtype.base_dtype.is_integer
+        and global_step.shape.rank == 0
+    ):
+        _fail(
+            TypeError,
+            "global_step",
+            global_step,
+            "None or a scalar integer variable",
+            "Pass e.g. tf1.train.get_or_create_global_step().",
+        )
     loss0, var_list, state = _prepare(loss_fn, optimizer, var_list)
     if global_step is not None and all(v is not global_step for v in state):
         state = state + [global_step]  # a refused update leaves it too; stepwise commits it
     _warn_stale_hyper_parameters(optimizer, state)
     if mode == "stepwise":
-        return _build_stepwise(loss_fn, optimizer, var_list, state, opts, loss0,
-                               steps_given if isinstance(steps_given, (tf.Tensor, tf.Variable)) else None,
-                               global_step)
+        return _build_stepwise(
+            loss_fn,
+            optimizer,
+            var_list,
+            state,
+            opts,
+            loss0,
+            steps_given if isinstance(steps_given, (tf.Tensor, tf.Variable)) else None,
+            global_step,
+        )
     if isinstance(steps_given, (tf.Tensor, tf.Variable)):
         n = tf.cast(steps_given, tf.int32)
     else:
         n = tf1.placeholder_with_default(np.int32(opts.steps), [], name="stepfuse_steps")
     if chunk is None:
         chunk = max(opts.steps, _MIN_CHUNK) if isinstance(steps_given, int) else _DEFAULT_CHUNK
-    chunk = check_int(chunk, "chunk", "Pass the most steps one compiled inner loop runs, e.g. chunk=1000.")
+    chunk = check_int(
+        chunk, "chunk", "Pass the most steps one compiled inner loop runs, e.g. chunk=1000."
+    )
     cap = -(-chunk // opts.record_every)
     # A run chains chunks of the compiled loop in a graph loop for a tensor `steps`, for a
     # callback (it is called between chunks), and for an int `steps` above `chunk`.
@@ -431,8 +518,15 @@ def fuse(
     def whole_run_py(m):
         """All of a run in one call, whose one output is `packed`: no graph op after it."""
         buf, count, _, applied, stop, _ = _inner_loop(
-            step, m, tf.constant(0, tf.int32), tf.constant(math.nan, tf.float64), opts, cap,
-            xla=jit_compile, dtype=dtype)
+            step,
+            m,
+            tf.constant(0, tf.int32),
+            tf.constant(math.nan, tf.float64),
+            opts,
+            cap,
+            xla=jit_compile,
+            dtype=dtype,
+        )
         return tf.concat([buf, pack(tf.stack([count, applied, stop]))], 0)
 
     notes = {"error": None, "step": None}  # from the host side of a callback (see `Fused.run`)
@@ -456,22 +550,36 @@ def fuse(
     with tf1.name_scope("stepfuse_loop"), tf.control_dependencies(_variable_reads(loss0)):
         if chained:
             inner = tf.function(inner_py, jit_compile=bool(jit_compile), autograph=False)
-            positive = tf.debugging.Assert(n >= 1, [
-                "stepfuse.tf.v1: the `steps` tensor must be at least 1 in each run. Got:", n])
+            positive = tf.debugging.Assert(
+                n >= 1,
+                ["stepfuse.tf.v1: the `steps` tensor must be at least 1 in each run. Got:", n],
+            )
             with tf.control_dependencies([positive]):
                 step0 = counter.read_value() if counter is not None else tf.constant(0, tf.int64)
-                losses, applied, stop, _ = _outer_loop(inner, n, step0, opts, chunk,
-                                                       notify if opts.notify else None, dtype=dtype,
-                                                       count=counter)
+                losses, applied, stop, _ = _outer_loop(
+                    inner,
+                    n,
+                    step0,
+                    opts,
+                    chunk,
+                    notify if opts.notify else None,
+                    dtype=dtype,
+                    count=counter,
+                )
             tail = pack(tf.stack([tf.size(losses), applied, stop]))
             packed = tf.concat([losses, tail], 0, name="packed")
         else:
             # At most `chunk` steps per run and no graph loop around the call (measured:
             # ~50 us less per sess.run, about what the one-step graph of the seed costs).
-            fits = tf.debugging.Assert(tf.logical_and(n >= 1, n <= chunk), [
-                f"stepfuse.tf.v1: `steps` fed to this graph must be at least 1 and at most "
-                f"{chunk} (the chunk it was built with); build with fuse(..., steps=N) for "
-                f"larger N, or with chunk=N, or give steps as an int32 tensor. Got:", n])
+            fits = tf.debugging.Assert(
+                tf.logical_and(n >= 1, n <= chunk),
+                [
+                    f"stepfuse.tf.v1: `steps` fed to this graph must be at least 1 and at most "
+                    f"{chunk} (the chunk it was built with); build with fuse(..., steps=N) for "
+                    f"larger N, or with chunk=N, or give steps as an int32 tensor. Got:",
+                    n,
+                ],
+            )
             whole_run = tf.function(whole_run_py, jit_compile=bool(jit_compile), autograph=False)
             # `run` fetches the call's own output. The seed, 1 step a run: ~199 us when
             # `run` fetched [losses, steps_taken, stop, train_op], ~174 us for one tensor
@@ -482,14 +590,30 @@ def fuse(
             count, applied, stop = tf.unstack(ints, num=3)
             losses = packed[:count]
         train_op = tf.group(applied, stop, losses, name="train_op")
-    return Fused(train_op=train_op, losses=losses, steps_taken=applied, stop=stop, steps=n, packed=packed,
-                 loss=loss0, var_list=var_list, state=state, opts=opts, optimizer=optimizer,
-                 jit_compile=bool(jit_compile), chunk=chunk, step=0, counter=counter, notes=notes,
-                 max_steps=None if chained else chunk)
+    return Fused(
+        train_op=train_op,
+        losses=losses,
+        steps_taken=applied,
+        stop=stop,
+        steps=n,
+        packed=packed,
+        loss=loss0,
+        var_list=var_list,
+        state=state,
+        opts=opts,
+        optimizer=optimizer,
+        jit_compile=bool(jit_compile),
+        chunk=chunk,
+        step=0,
+        counter=counter,
+        notes=notes,
+        max_steps=None if chained else chunk,
+    )
 
 
-def _build_stepwise(loss_fn, optimizer, var_list, state, opts: Options, loss0, steps_tensor=None,
-                    global_step=None):
+def _build_stepwise(
+    loss_fn, optimizer, var_list, state, opts: Options, loss0, steps_tensor=None, global_step=None
+):
     loss, snapshot, new, finite = _step_ops(loss_fn, optimizer, var_list, state, global_step)
     with tf.control_dependencies(new + [finite, loss]):
         restore = tf.group(*[v.assign(old) for v, old in zip(state, snapshot)])
@@ -498,9 +622,20 @@ def _build_stepwise(loss_fn, optimizer, var_list, state, opts: Options, loss0, s
         new_out = [tf.identity(t) for t in new]
     placeholders = [tf1.placeholder(v.dtype.base_dtype, v.shape) for v in state]
     commit_op = tf.group(*[v.assign(p) for v, p in zip(state, placeholders)])
-    return Stepwise(loss_t=loss_out, finite=finite_out, new=new_out, placeholders=placeholders,
-                    commit_op=commit_op, loss=loss0, var_list=var_list, state=state, opts=opts,
-                    optimizer=optimizer, step=0, steps_tensor=steps_tensor)
+    return Stepwise(
+        loss_t=loss_out,
+        finite=finite_out,
+        new=new_out,
+        placeholders=placeholders,
+        commit_op=commit_op,
+        loss=loss0,
+        var_list=var_list,
+        state=state,
+        opts=opts,
+        optimizer=optimizer,
+        step=0,
+        steps_tensor=steps_tensor,
+    )
 
 
 def copies_train_op(loss_fn: Callable[[], Any], optimizer, n: int, var_list=None):
