@@ -19,7 +19,7 @@ import pytest
 
 import stepfuse.jax as sf
 from stepfuse import Stop
-from stepfuse.jax import _inputs_reaching_output
+from stepfuse.jax._fit import _inputs_reaching_output
 from stepfuse.problems import blobs, perceptron_init
 
 X, Y = blobs()

@@ -7,9 +7,7 @@ import pytest
 
 import stepfuse
 from stepfuse import Stop, Trace
-from stepfuse._loop import run_stepwise
-from stepfuse._options import check_call_steps, check_options
-from stepfuse._trace import host_trace
+from stepfuse._core import check_call_steps, check_options, host_trace, run_stepwise
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, "3", True, None])
@@ -116,22 +114,46 @@ def test_deferred_interrupts_holds_ctrl_c_until_the_block_is_done():
     import os
     import signal
 
-    from stepfuse._loop import deferred_interrupts
+    from stepfuse._core import deferred_interrupts
 
-    done = []
-    with pytest.raises(KeyboardInterrupt):
+    # Python's own handler, whatever this process was started with (a background job or
+    # nohup starts with SIGINT ignored).
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        done = []
+        with pytest.raises(KeyboardInterrupt):
+            with deferred_interrupts():
+                os.kill(os.getpid(), signal.SIGINT)
+                done.append("finished the block first")
+        assert done == ["finished the block first"]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the one before
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_deferred_interrupts_keeps_an_ignored_ctrl_c_ignored():
+    import os
+    import signal
+
+    from stepfuse._core import deferred_interrupts
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        done = []
         with deferred_interrupts():
             os.kill(os.getpid(), signal.SIGINT)
-            done.append("finished the block first")
-    assert done == ["finished the block first"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            done.append("finished the block")
+        assert done == ["finished the block"]  # and nothing raised: it was ignored before
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_notifier_watch_updates_the_bar_from_a_thread_and_shows_the_last_value():
     import threading
     import time
 
-    from stepfuse._loop import Notifier
+    from stepfuse._core import Notifier
 
     opts = check_options(steps=100, progress=True, every=10)
     published = [math.nan, math.nan]  # what a fused loop writes: (step, loss)
@@ -168,7 +190,7 @@ def test_notifier_watch_updates_the_bar_from_a_thread_and_shows_the_last_value()
 
 def test_notifier_calls_back_at_once_draws_the_latest_pair_and_never_moves_back():
 
-    from stepfuse._loop import Notifier
+    from stepfuse._core import Notifier
 
     seen = []
     opts = check_options(

@@ -576,7 +576,7 @@ def test_callback_losses_are_the_stepwise_losses_recorded_or_not(record_every, d
 def test_callbacks_through_stepfuse_ffi_target_match_jax_debug_callback(monkeypatch):
     """On CPU the loop calls the host through stepfuse's own FFI target; without it
     (another backend, or a jaxlib whose FFI layout it doesn't know) jax.debug.callback."""
-    from stepfuse import _jax_host
+    from stepfuse.jax import _host as _jax_host
 
     def run():
         seen = []
@@ -602,7 +602,7 @@ def test_callbacks_through_stepfuse_ffi_target_match_jax_debug_callback(monkeypa
 
 
 def test_ffi_handler_ignores_unknown_and_collected_receivers():
-    from stepfuse import _jax_host
+    from stepfuse.jax import _host as _jax_host
 
     if not _jax_host.available():
         pytest.skip("stepfuse's FFI target is for XLA:CPU")

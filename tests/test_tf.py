@@ -359,7 +359,7 @@ def test_nonfinite_proposed_update_is_refused_and_raise_mode(mode):
 
 @pytest.mark.parametrize("jit", [None, True, False], ids=["eager", "xla", "graph"])
 def test_finiteness_check_is_exact_for_large_values_mixed_dtypes_and_sparse_gradients(jit):
-    from stepfuse.tf import _all_finite
+    from stepfuse.tf._fit import _all_finite
 
     big = tf.constant([3e38, 3e38, -3e38], tf.float32)  # finite, though their sum overflows
     half = tf.constant([6e4, 1.0], tf.float16)
@@ -459,8 +459,8 @@ def test_a_bar_alone_ends_chunks_at_multiples_of_every_paced_by_time(with_callba
     # whatever its length): a bar alone needs a publication now and then, so after the
     # first chunk (ending at `every`) the chunks grow to last ~_PUBLISH_SECONDS each;
     # a callback is owed every multiple of `every`. Every chunk but the last ends at one.
-    from stepfuse._options import check_options
-    from stepfuse.tf import _PUBLISH_SECONDS, _outer_loop
+    from stepfuse._core import check_options
+    from stepfuse.tf._fit import _PUBLISH_SECONDS, _outer_loop
 
     n, every = 100_000, 10
     opts = check_options(
@@ -563,8 +563,8 @@ def test_a_call_longer_than_one_compiled_chunk_chains_chunks_with_the_same_resul
 ):
     x, y = data
     results = []
-    for min_chunk in (8, sf._TF2_MIN_CHUNK):  # 50 steps: 7 chained chunks, then one
-        monkeypatch.setattr(sf, "_TF2_MIN_CHUNK", min_chunk)
+    for min_chunk in (8, sf._fit._TF2_MIN_CHUNK):  # 50 steps: 7 chained chunks, then one
+        monkeypatch.setattr(sf._fit, "_TF2_MIN_CHUNK", min_chunk)
         _, variables, loss_fn = make_problem("perceptron")
         fit = sf.fuse(loss_fn, keras.optimizers.Adam(0.05), variables, steps=3, record_every=3)
         assert fit._chunk == max(3, min_chunk)
@@ -585,8 +585,12 @@ def test_xla_trace_is_gathered_in_small_chunks_with_the_losses_of_the_plain_loop
     # chunks, and chained compiled chunks of 37 steps start them at odd step indices.
     x, y = data
     results = {}
-    for jit, min_chunk in ((True, sf._TF2_MIN_CHUNK), (True, 37), (False, sf._TF2_MIN_CHUNK)):
-        monkeypatch.setattr(sf, "_TF2_MIN_CHUNK", min_chunk)
+    for jit, min_chunk in (
+        (True, sf._fit._TF2_MIN_CHUNK),
+        (True, 37),
+        (False, sf._fit._TF2_MIN_CHUNK),
+    ):
+        monkeypatch.setattr(sf._fit, "_TF2_MIN_CHUNK", min_chunk)
         _, variables, loss_fn = make_problem("perceptron")
         fit = sf.fuse(
             loss_fn,
@@ -599,7 +603,7 @@ def test_xla_trace_is_gathered_in_small_chunks_with_the_losses_of_the_plain_loop
         results[jit, min_chunk] = fit(x, y, steps=230), values(variables)
     (one, v_one), (chained, v_chained), (plain, v_plain) = results.values()
     assert one.steps == chained.steps == plain.steps == 230
-    assert len(one.loss) == len(plain.loss) == -(-230 // record_every) > 2 * sf._XLA_CHUNK
+    assert len(one.loss) == len(plain.loss) == -(-230 // record_every) > 2 * sf._fit._XLA_CHUNK
     np.testing.assert_array_equal(one.loss, chained.loss)
     np.testing.assert_allclose(one.loss, plain.loss, rtol=RTOL, atol=ATOL)
     assert np.all(np.isfinite(one.loss))
@@ -612,7 +616,7 @@ def test_calls_within_the_chunk_run_one_program_and_longer_ones_a_second_traced_
     data, monkeypatch
 ):
     x, y = data
-    monkeypatch.setattr(sf, "_TF2_MIN_CHUNK", 8)
+    monkeypatch.setattr(sf._fit, "_TF2_MIN_CHUNK", 8)
     _, variables, loss_fn = make_problem("perceptron")
     fit = sf.fuse(loss_fn, keras.optimizers.SGD(0.1), variables, steps=3)
     _, ref_vars, ref_loss = make_problem("perceptron")

@@ -558,8 +558,8 @@ def test_graph_path_static_buffers_and_replays_match_reference_on_cpu(monkeypatc
         graphs[:] = [_Replay(chunk, k) for k in sizes]
         return list(graphs)
 
-    monkeypatch.setattr(sf, "_cuda_graphs", fake_graphs)
-    monkeypatch.setattr(sf, "_GRAPH_CHUNKS", 2)
+    monkeypatch.setattr(sf._fit, "_cuda_graphs", fake_graphs)
+    monkeypatch.setattr(sf._fit, "_GRAPH_CHUNKS", 2)
     monkeypatch.setattr(sf.FusedFit, "_cuda", property(lambda self: True))
     if kernels == "eager":
 

@@ -5,9 +5,9 @@ frameworks: ``stepfuse.jax`` (JAX + optax), ``stepfuse.tf`` (TensorFlow 2 / Kera
 with ``stepfuse.tf.v1`` (TF1 graph mode, ``sess.run``), and ``stepfuse.torch``.
 """
 
-from ._trace import NonFiniteError as NonFiniteError
-from ._trace import Stop as Stop
-from ._trace import Trace as Trace
+from ._core import NonFiniteError as NonFiniteError
+from ._core import Stop as Stop
+from ._core import Trace as Trace
 
 __version__ = "0.1.0"
 

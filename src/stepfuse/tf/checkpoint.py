@@ -31,7 +31,7 @@ __all__ = ["make", "save", "restore", "saver"]
 
 
 def _check_fit(fit: Any, name: str = "fit"):
-    from . import Fit
+    from ._fit import Fit
 
     if not isinstance(fit, Fit):
         raise TypeError(

@@ -16,10 +16,18 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from .._loop import Notifier, finish, run_stepwise
-from .._options import Options, check_int, check_options, check_steps
-from .._trace import Trace, host_trace
-from . import _MIN_CHUNK, _all_finite, _check_loss, _fail, _inner_loop, _outer_loop
+from .._core import (
+    Notifier,
+    Options,
+    Trace,
+    check_int,
+    check_options,
+    check_steps,
+    finish,
+    host_trace,
+    run_stepwise,
+)
+from ._fit import _MIN_CHUNK, _all_finite, _check_loss, _fail, _inner_loop, _outer_loop
 
 __all__ = ["fuse", "Fused", "Stepwise", "copies_train_op"]
 

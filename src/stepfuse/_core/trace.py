@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Stop", "Trace", "NonFiniteError"]
+__all__ = ["Stop", "Trace", "NonFiniteError", "ceil_div", "host_trace", "n_recorded"]
 
 
 class Stop(enum.IntEnum):
@@ -90,9 +90,14 @@ class Trace:
         return f"Trace(steps={self.steps}, stop={stop}, losses recorded={n}, record_every={self.record_every})"
 
 
+def ceil_div(a: Any, b: Any) -> Any:
+    """``ceil(a / b)`` for non-negative integers (Python ints or integer tensors)."""
+    return -(-a // b)
+
+
 def n_recorded(evaluated: int, record_every: int) -> int:
     """How many of ``evaluated`` losses are kept when every ``record_every``-th one is."""
-    return (evaluated + record_every - 1) // record_every
+    return ceil_div(evaluated, record_every)
 
 
 def host_trace(losses, steps: int, stop: int, record_every: int) -> Trace:

@@ -41,9 +41,21 @@ import torch
 from torch import nn
 from torch.utils import _pytree
 
-from ._loop import Notifier, deferred_interrupts, finish, run_stepwise
-from ._options import OPTIONS_DOC, Options, check_call_steps, check_int, check_options
-from ._trace import Stop, Trace, host_trace, n_recorded
+from .._core import (
+    OPTIONS_DOC,
+    Notifier,
+    Options,
+    Stop,
+    Trace,
+    check_call_steps,
+    check_int,
+    check_options,
+    deferred_interrupts,
+    finish,
+    host_trace,
+    n_recorded,
+    run_stepwise,
+)
 
 __all__ = ["fuse", "FusedFit", "BatchError", "SUPPORTED_OPTIMIZERS"]
 

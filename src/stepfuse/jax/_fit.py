@@ -25,10 +25,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from . import _jax_host
-from ._loop import Notifier, finish, run_stepwise
-from ._options import OPTIONS_DOC, check_call_steps, check_options
-from ._trace import Stop, Trace, host_trace
+from .._core import (
+    OPTIONS_DOC,
+    Notifier,
+    Stop,
+    Trace,
+    check_call_steps,
+    check_options,
+    finish,
+    host_trace,
+    run_stepwise,
+)
+from . import _host as _jax_host
 
 __all__ = ["fuse", "Fit", "FitState"]
 

@@ -1,16 +1,7 @@
-"""The loop semantics every backend shares, written once as the stepwise reference.
-
-A backend's stepwise mode supplies two functions and this module runs them:
-
-* ``propose()`` evaluates the loss and gradient at the current parameters and
-  computes the update *without* applying it; it returns ``(loss, finite, token)``
-  where ``loss`` is a NumPy scalar (a float64 loss is recorded as float64, any other
-  float as float32, as the fused loops record it) and ``finite`` says whether the loss,
-  the gradients and the proposed parameters and optimizer state are all finite;
-* ``commit(token)`` applies the proposed update.
-
-The fused loops of the backends implement exactly this order of events, and the
-tests hold them to it.
+"""The host side of every fused call, written once: notifications from inside the loop
+(the user's callback and the progress bar), where a call's loop reaches the host
+(`next_multiple`, `paced_every`), a callback's error kept until the loop is done
+(`CallbackErrors`), and Ctrl-C held back while results are written (`deferred_interrupts`).
 """
 
 from __future__ import annotations
@@ -24,56 +15,57 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
+from .options import Options
 
-from ._options import Options
-from ._trace import NonFiniteError, Stop, Trace, host_trace
-
-__all__ = ["run_stepwise", "finish", "Notifier", "deferred_interrupts"]
-
-
-def run_stepwise(
-    propose: Callable[[], tuple[float, bool, Any]],
-    commit: Callable[[Any], None],
-    n: int,
-    opts: Options,
-    start_step: int,
-    notify: Callable[[int, float], None] | None = None,
-) -> Trace:
-    """Run ``n`` single steps with the shared semantics; returns the host `Trace`."""
-    losses = []
-    applied, stop, prev, wide = 0, Stop.STEPS, math.nan, False
-    for i in range(n):
-        loss, finite, token = propose()
-        wide = wide or np.asarray(loss).dtype == np.float64
-        loss = float(loss)
-        if i % opts.record_every == 0:
-            losses.append(loss)
-        if not finite:
-            stop = Stop.NONFINITE
-            break
-        commit(token)
-        applied += 1
-        if notify is not None and (start_step + applied) % opts.every == 0:
-            notify(start_step + applied, loss)
-        if opts.tol is not None and i > 0 and abs(loss - prev) <= opts.tol:
-            stop = Stop.TOL
-            break
-        prev = loss
-    return host_trace(
-        np.asarray(losses, dtype=np.float64 if wide else np.float32),
-        applied,
-        stop,
-        opts.record_every,
-    )
+__all__ = [
+    "CallbackErrors",
+    "Notifier",
+    "deferred_interrupts",
+    "next_multiple",
+    "paced_every",
+]
 
 
-def finish(trace: Trace, opts: Options, start_step: int, state: Any = None) -> Trace:
-    """Apply ``on_nonfinite="raise"`` once a call has returned with a consistent state
-    (``state``: what a pure backend's call reached, handed to the error)."""
-    if opts.on_nonfinite == "raise" and trace.stop == Stop.NONFINITE:
-        raise NonFiniteError(start_step + int(trace.steps), trace, state)
-    return trace
+def next_multiple(step: Any, every: Any, ahead: Any = 1) -> Any:
+    """The first multiple of ``every`` at least ``ahead`` steps after ``step``: where a
+    segment of a call that notifies every ``every`` updates ends (ints or tensors)."""
+    return (step + ahead + every - 1) // every * every
+
+
+def paced_every(every: int, seconds_per_step: float | None, seconds: float) -> int:
+    """Steps between a loop's host calls for a progress bar alone: the multiple of
+    ``every`` about ``seconds`` long at the last call's speed (``every`` when unknown).
+    A bar redraws about ten times a second, so reaching the host at every multiple of
+    ``every`` would only cost time."""
+    if not seconds_per_step:
+        return every
+    return every * max(1, min(int(seconds / (seconds_per_step * every)), 2**30 // every))
+
+
+class CallbackErrors:
+    """The first exception a notification raised during a call, kept until the call's
+    loop has finished (a loop on the device does not wait for the host), then re-raised
+    as it is; later notifications of that call are skipped."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+
+    def clear(self) -> None:
+        self.error = None
+
+    def deliver(self, notify: Callable[[Any, Any], None], step: Any, loss: Any) -> None:
+        """``notify(step, loss)`` unless an earlier one failed; its exception is kept."""
+        if self.error is not None:
+            return
+        try:
+            notify(step, loss)
+        except BaseException as e:  # noqa: BLE001 - re-raised by `reraise`
+            self.error = e
+
+    def reraise(self) -> None:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
 
 
 class _Drawer:
@@ -150,7 +142,7 @@ class Notifier:
         self._final = None  # (step, loss) given by `done`
         self._shown = False
         if opts.progress:
-            from ._bar import Bar
+            from .bar import Bar
 
             self._bar = Bar(label, total=n)
             self._task = self._bar.task
@@ -224,7 +216,7 @@ def deferred_interrupts():
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-    if caught:
+    if caught and previous is not signal.SIG_IGN:  # an ignored Ctrl-C stays ignored
         if callable(previous):
             previous(signal.SIGINT, None)
         else:

@@ -9,8 +9,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import textwrap
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn, TypeVar
+
+from .trace import ceil_div
 
 __all__ = [
     "Options",
@@ -20,30 +23,51 @@ __all__ = [
     "check_steps",
     "check_tol",
     "OPTIONS_DOC",
+    "fail",
+    "shared_doc",
 ]
 
 OPTIONS_DOC = """\
-    steps: updates per call, an ``int >= 1``; a call may pass ``steps=n`` to run
-      ``n`` updates with the same compiled program.
-    tol: stop early inside the loop once ``abs(loss[i] - loss[i-1]) <= tol``
-      (consecutive losses of one call); ``None`` (default) never stops early.
-    record_every: keep every k-th loss in the trace (memory ``O(steps / k)``).
-    callback: ``callback(step, loss)`` called on the host from *inside* the fused loop
-      after every ``every``-th update (``step`` counts updates since ``init``, ``loss``
-      is the loss before that update). An exception it raises reaches the caller.
-    every: how often ``callback`` fires, and the steps at which the progress bar may
-      move (it redraws about ten times a second); default about 100 times per call of
-      ``steps``.
-    progress: show a progress bar for each call, updated from inside the loop.
-    on_nonfinite: ``"stop"`` (default) ends the call with ``Stop.NONFINITE``;
-      ``"raise"`` also raises `stepfuse.NonFiniteError` with the step number. Either
-      way the refused update is not applied.
-    mode: ``"fused"`` (default) runs the steps in one compiled call; ``"stepwise"``
-      runs the identical semantics as a plain Python loop of single steps (the
-      reference the fused mode is tested against, and handy for debugging)."""
+steps: updates per call, an ``int >= 1``; a call may pass ``steps=n`` to run
+  ``n`` updates with the same compiled program.
+tol: stop early inside the loop once ``abs(loss[i] - loss[i-1]) <= tol``
+  (consecutive losses of one call); ``None`` (default) never stops early.
+record_every: keep every k-th loss in the trace (memory ``O(steps / k)``).
+callback: ``callback(step, loss)`` called on the host from *inside* the fused loop
+  after every ``every``-th update (``step`` counts updates since ``init``, ``loss``
+  is the loss before that update). An exception it raises reaches the caller.
+every: how often ``callback`` fires, and the steps at which the progress bar may
+  move (it redraws about ten times a second); default about 100 times per call of
+  ``steps``.
+progress: show a progress bar for each call, updated from inside the loop.
+on_nonfinite: ``"stop"`` (default) ends the call with ``Stop.NONFINITE``;
+  ``"raise"`` also raises `stepfuse.NonFiniteError` with the step number. Either
+  way the refused update is not applied.
+mode: ``"fused"`` (default) runs the steps in one compiled call; ``"stepwise"``
+  runs the identical semantics as a plain Python loop of single steps (the
+  reference the fused mode is tested against, and handy for debugging)."""
 
 
-def _fail(exc, name: str, value: Any, want: str, fix: str):
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def shared_doc(fn: _F) -> _F:
+    """Put `OPTIONS_DOC` where ``fn``'s docstring has a line ``{options}``, indented as
+    that line is (the argument list of every backend's ``fuse``)."""
+    doc = fn.__doc__ or ""
+    lines = doc.split("\n")
+    at = [i for i, line in enumerate(lines) if line.strip() == "{options}"]
+    if len(at) != 1:
+        raise ValueError(f"{fn.__qualname__}'s docstring needs one line '{{options}}'")
+    indent = lines[at[0]][: len(lines[at[0]]) - len(lines[at[0]].lstrip())]
+    lines[at[0]] = textwrap.indent(OPTIONS_DOC, indent)
+    fn.__doc__ = "\n".join(lines)
+    return fn
+
+
+def fail(exc: type[BaseException], name: str, value: Any, want: str, fix: str) -> NoReturn:
+    """Raise ``exc`` with stepfuse's argument error: the argument's name, what it must be,
+    the value received (and its type) and how to fix it."""
     raise exc(f"`{name}` must be {want}; got {value!r} ({type(value).__name__}). {fix}")
 
 
@@ -54,9 +78,9 @@ def _is_int(value: Any) -> bool:
 def check_int(value: Any, name: str, fix: str, *, minimum: int = 1) -> int:
     """``value`` as a Python int ``>= minimum``, or a TypeError/ValueError naming ``name``."""
     if not _is_int(value):
-        _fail(TypeError, name, value, f"an int >= {minimum}", fix)
+        fail(TypeError, name, value, f"an int >= {minimum}", fix)
     if value < minimum:
-        _fail(ValueError, name, value, f"an int >= {minimum}", fix)
+        fail(ValueError, name, value, f"an int >= {minimum}", fix)
     return int(value)
 
 
@@ -71,9 +95,9 @@ def check_tol(value: Any) -> float | None:
         return None
     fix = "Pass a loss difference >= 0 such as tol=1e-6, or tol=None to never stop early."
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        _fail(TypeError, "tol", value, "a float >= 0 or None", fix)
+        fail(TypeError, "tol", value, "a float >= 0 or None", fix)
     if not value >= 0 or math.isnan(value):
-        _fail(ValueError, "tol", value, "a float >= 0 or None", fix)
+        fail(ValueError, "tol", value, "a float >= 0 or None", fix)
     return float(value)
 
 
@@ -97,7 +121,7 @@ class Options:
         A call evaluates at most ``steps`` losses (a refused non-finite update is one
         of the ``steps`` iterations), so this is ``ceil(steps / record_every)``.
         """
-        return -(-self.steps // self.record_every)
+        return ceil_div(self.steps, self.record_every)
 
     @property
     def notify(self) -> bool:
@@ -123,7 +147,7 @@ def check_options(
         record_every, "record_every", "Pass 1 to keep every loss, or k to keep every k-th one."
     )
     if callback is not None and not callable(callback):
-        _fail(
+        fail(
             TypeError,
             "callback",
             callback,
@@ -131,7 +155,7 @@ def check_options(
             "Pass a function, e.g. callback=lambda step, loss: print(step, loss).",
         )
     if not isinstance(progress, bool):
-        _fail(
+        fail(
             TypeError,
             "progress",
             progress,
@@ -143,7 +167,7 @@ def check_options(
             every, "every", "Pass how many updates between callbacks, e.g. every=100."
         )
         if callback is None and not progress:
-            _fail(
+            fail(
                 ValueError,
                 "every",
                 every,
@@ -153,7 +177,7 @@ def check_options(
     elif callback is not None or progress:
         every = max(1, steps // 100)
     if on_nonfinite not in ("stop", "raise"):
-        _fail(
+        fail(
             ValueError,
             "on_nonfinite",
             on_nonfinite,
@@ -161,7 +185,7 @@ def check_options(
             'Pass on_nonfinite="stop" to end the call quietly or "raise" to get an error.',
         )
     if mode not in modes:
-        _fail(
+        fail(
             ValueError,
             "mode",
             mode,
@@ -181,7 +205,7 @@ def check_call_steps(value: Any, opts: Options, *, capped: bool) -> int:
         return opts.steps
     n = check_steps(value)
     if capped and n > opts.steps:
-        _fail(
+        fail(
             ValueError,
             "steps",
             value,

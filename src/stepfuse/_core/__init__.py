@@ -1,0 +1,57 @@
+"""The semantics every backend shares, defined once.
+
+- `trace`: what a call returns (`Trace`, `Stop`, `NonFiniteError`) and how a backend's
+  raw loss buffer becomes a `Trace`;
+- `options`: the options every ``fuse`` takes, their checks, their documentation and
+  the argument-error helper;
+- `loop`: one step of every loop (the carried `Flow` and its `advance`, the record
+  slot, ``tol``, the stop code), over each framework's array functions;
+- `stepwise`: the stepwise reference loop, the same semantics on the host;
+- `driver`: the host side of a call (notifications, pacing, a callback's error,
+  Ctrl-C held back while results are written);
+- `protocol`: what a backend supplies.
+"""
+
+from .driver import CallbackErrors, Notifier, deferred_interrupts, next_multiple, paced_every
+from .loop import HOST, Flow, Ops
+from .options import (
+    OPTIONS_DOC,
+    Options,
+    check_call_steps,
+    check_int,
+    check_options,
+    check_steps,
+    check_tol,
+    fail,
+    shared_doc,
+)
+from .stepwise import finish, run_stepwise
+from .trace import NonFiniteError, Stop, Trace, ceil_div, host_trace, n_recorded
+
+__all__ = [
+    "HOST",
+    "OPTIONS_DOC",
+    "CallbackErrors",
+    "Flow",
+    "NonFiniteError",
+    "Notifier",
+    "Ops",
+    "Options",
+    "Stop",
+    "Trace",
+    "ceil_div",
+    "check_call_steps",
+    "check_int",
+    "check_options",
+    "check_steps",
+    "check_tol",
+    "deferred_interrupts",
+    "fail",
+    "finish",
+    "host_trace",
+    "n_recorded",
+    "next_multiple",
+    "paced_every",
+    "run_stepwise",
+    "shared_doc",
+]

@@ -1,0 +1,70 @@
+"""The stepwise reference loop: the shared semantics as a plain Python loop of single steps.
+
+A backend's ``mode="stepwise"`` supplies two functions and `run_stepwise` runs them:
+
+* ``propose()`` evaluates the loss and gradient at the current parameters and
+  computes the update *without* applying it; it returns ``(loss, finite, token)``
+  where ``loss`` is a NumPy scalar (a float64 loss is recorded as float64, any other
+  float as float32, as the fused loops record it) and ``finite`` says whether the loss,
+  the gradients and the proposed parameters and optimizer state are all finite;
+* ``commit(token)`` applies the proposed update.
+
+It moves the same `Flow` with the same functions (`stepfuse._core.loop`) as every
+fused loop, over Python numbers, so fused == stepwise is one definition run two ways.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import loop
+from .loop import HOST, Flow
+from .options import Options
+from .trace import NonFiniteError, Stop, Trace, host_trace
+
+__all__ = ["run_stepwise", "finish"]
+
+
+def run_stepwise(
+    propose: Callable[[], tuple[Any, bool, Any]],
+    commit: Callable[[Any], None],
+    n: int,
+    opts: Options,
+    start_step: int,
+    notify: Callable[[int, float], None] | None = None,
+) -> Trace:
+    """Run ``n`` single steps with the shared semantics; returns the host `Trace`."""
+    met = None if opts.tol is None else loop.within_tol(HOST, opts.tol, np.float64)
+    losses: list[float] = []
+    flow, wide = Flow(0, 0.0, math.nan, math.nan), False
+    while loop.running(HOST, flow, n, met):
+        loss, finite, token = propose()
+        wide = wide or np.asarray(loss).dtype == np.float64
+        value = float(loss)
+        if flow.i % opts.record_every == 0:
+            losses.append(value)
+        flow = loop.advance(flow, value, 0.0 if finite else math.nan)
+        if loop.refused(HOST, flow):
+            break
+        commit(token)
+        step = start_step + loop.applied(HOST, flow)
+        if notify is not None and step % (opts.every or 1) == 0:
+            notify(step, value)
+    return host_trace(
+        np.asarray(losses, dtype=np.float64 if wide else np.float32),
+        loop.applied(HOST, flow),
+        loop.stop_code(HOST, flow, met),
+        opts.record_every,
+    )
+
+
+def finish(trace: Trace, opts: Options, start_step: int, state: Any = None) -> Trace:
+    """Apply ``on_nonfinite="raise"`` once a call has returned with a consistent state
+    (``state``: what a pure backend's call reached, handed to the error)."""
+    if opts.on_nonfinite == "raise" and trace.stop == Stop.NONFINITE:
+        raise NonFiniteError(start_step + int(trace.steps), trace, state)
+    return trace

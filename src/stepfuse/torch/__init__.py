@@ -1,0 +1,15 @@
+"""PyTorch backend: many ``torch.optim`` steps inside one compiled program.
+
+``fuse(loss_fn, optimizer, steps=...)`` returns a `Fit`; ``trace = fit(*batch)`` runs the
+steps and updates the model's parameters and ``optimizer.state`` in place, so the model
+and optimizer carry on with ordinary PyTorch afterwards.
+"""
+
+from ._fit import SUPPORTED_OPTIMIZERS as SUPPORTED_OPTIMIZERS
+from ._fit import BatchError as BatchError
+from ._fit import FusedFit as FusedFit
+from ._fit import fuse as fuse
+
+Fit = FusedFit
+
+__all__ = ["SUPPORTED_OPTIMIZERS", "BatchError", "Fit", "FusedFit", "fuse"]
