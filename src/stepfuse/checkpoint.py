@@ -56,7 +56,7 @@ def _dtype_name(dtype: np.dtype) -> str:
     return np.dtype(dtype).name
 
 
-def _key_impl(leaf) -> str | None:
+def _key_impl(leaf: Any) -> str | None:
     """The PRNG implementation's name of a typed JAX key array (``jax.random.key``), or None."""
     dtype = getattr(leaf, "dtype", None)
     if dtype is None or isinstance(dtype, np.dtype):
@@ -118,7 +118,7 @@ def save(path: str | os.PathLike[str], state: Any) -> str:
     fd, tmp = tempfile.mkstemp(prefix=".stepfuse-ckpt-", suffix=".npz", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
+            np.savez(f, **arrays)  # type: ignore[arg-type]  # (numpy types **kwds as allow_pickle)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -219,7 +219,9 @@ def restore(path: str | os.PathLike[str], like: Any) -> Any:
             )
         arr = data[key]
         if getattr(leaf, "dtype", None) is not None and _key_impl(leaf) is not None:
-            restored.append(_restore_keys(arr, leaf, saved_dtypes and saved_dtypes[i], key, path))
+            restored.append(
+                _restore_keys(arr, leaf, saved_dtypes[i] if saved_dtypes else None, key, path)
+            )
             continue
         want_shape = tuple(np.shape(leaf))
         want_dtype = np.dtype(getattr(leaf, "dtype", None) or np.asarray(leaf).dtype)
@@ -243,7 +245,7 @@ def restore(path: str | os.PathLike[str], like: Any) -> Any:
     return jax.tree_util.tree_unflatten(treedef, restored)
 
 
-def _restore_keys(arr: np.ndarray, leaf, saved: str | None, key: str, path: str):
+def _restore_keys(arr: np.ndarray, leaf: Any, saved: str | None, key: str, path: str) -> Any:
     """Typed PRNG keys from their saved bits (see `save`), checked against ``leaf``."""
     import jax
 
@@ -253,7 +255,7 @@ def _restore_keys(arr: np.ndarray, leaf, saved: str | None, key: str, path: str)
             f"`like` has PRNG keys of dtype {leaf.dtype} at {key} but the checkpoint "
             f"`path` {path!r} has {kind or 'no keys'} there."
         )
-    keys = jax.random.wrap_key_data(arr, impl=impl)
+    keys = jax.random.wrap_key_data(jax.numpy.asarray(arr), impl=impl)
     if keys.shape != tuple(leaf.shape):
         raise ValueError(
             f"`like` has shape {tuple(leaf.shape)} at {key} but the checkpoint "

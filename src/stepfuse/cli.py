@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 
-from .demo import BACKENDS, available_backends
+from .demo import BACKENDS, SeedResult, available_backends
 
 __all__ = ["main"]
 
@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _print_demo(r) -> None:
+def _print_demo(r: SeedResult) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -180,7 +180,7 @@ def _print_demo(r) -> None:
     )
 
 
-def _plot_demo(r, path: str) -> None:
+def _plot_demo(r: SeedResult, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -207,7 +207,7 @@ def _plot_demo(r, path: str) -> None:
     plt.close(fig)
 
 
-def _demo(args) -> int:
+def _demo(args: argparse.Namespace) -> int:
     import dataclasses
 
     from .demo import run_seed
@@ -231,7 +231,7 @@ def _demo(args) -> int:
     return 0 if r.check_passed else 1
 
 
-def _bench(args) -> int:
+def _bench(args: argparse.Namespace) -> int:
     from .bench._timing import Result, print_table
 
     backends = (

@@ -14,7 +14,9 @@ SEED_LR = 0.01
 """The seed's learning rate (plain gradient descent)."""
 
 
-def blobs(n: int = 50, *, features: int = 2, classes: int = 2, seed: int = 0, spread: float = 1.0):
+def blobs(
+    n: int = 50, *, features: int = 2, classes: int = 2, seed: int = 0, spread: float = 1.0
+) -> tuple[np.ndarray, np.ndarray]:
     """``n`` points in ``classes`` Gaussian blobs, as in the seed (50 two-dimensional blobs).
 
     Returns ``(x, y)``: ``x`` float32 of shape ``(n, features)``, ``y`` int32 labels.
@@ -28,7 +30,7 @@ def blobs(n: int = 50, *, features: int = 2, classes: int = 2, seed: int = 0, sp
     return x.astype(np.float32), y.astype(np.int32)
 
 
-def perceptron_init(features: int = 2, classes: int = 2):
+def perceptron_init(features: int = 2, classes: int = 2) -> dict[str, np.ndarray]:
     """The seed's 2->2 dense layer: kernel of ones, bias of zeros (first loss is ln 2)."""
     return {
         "kernel": np.ones((features, classes), np.float32),
@@ -36,7 +38,7 @@ def perceptron_init(features: int = 2, classes: int = 2):
     }
 
 
-def mlp_init(sizes=(2, 16, 16, 2), seed: int = 0):
+def mlp_init(sizes: tuple[int, ...] = (2, 16, 16, 2), seed: int = 0) -> list[dict[str, np.ndarray]]:
     """A small MLP's parameters: a list of ``{"kernel", "bias"}`` layers (Glorot-uniform kernels)."""
     rng = np.random.default_rng(seed)
     layers = []

@@ -19,7 +19,7 @@ __all__ = ["Bar"]
 _WIDTH = 40  # the bar's most characters (rich's default)
 
 
-def _clock(seconds) -> str:
+def _clock(seconds: float | None) -> str:
     if seconds is None or not math.isfinite(seconds):
         return "-:--:--"
     s = int(seconds)

@@ -12,10 +12,13 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from .options import Options
+
+if TYPE_CHECKING:
+    from .bar import Bar
 
 __all__ = [
     "CallbackErrors",
@@ -134,12 +137,12 @@ class Notifier:
     def __init__(self, opts: Options, start_step: int, n: int, label: str = "stepfuse"):
         self.callback = opts.callback
         self.start, self.n = start_step, n
-        self._bar = None
+        self._bar: Bar | None = None
         self._latest: tuple[Any, Any] = (math.nan, math.nan)
         self._read: Callable[[], Any] = lambda: self._latest
         self._interval = 0.1
         self._watched = False
-        self._final = None  # (step, loss) given by `done`
+        self._final: tuple[Any, Any] | None = None  # (step, loss) given by `done`
         self._shown = False
         if opts.progress:
             from .bar import Bar
@@ -154,7 +157,7 @@ class Notifier:
             self._shown = True
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._shown:
             _DRAWER.hide(self)
             self._shown = False
@@ -174,17 +177,19 @@ class Notifier:
             self._read, self._interval, self._watched = read, interval, True
 
     def _draw(self) -> None:
+        assert self._bar is not None  # only bars are drawn
         self._show(self._read())
         self._bar.refresh()
 
-    def _show(self, value) -> None:
+    def _show(self, value: tuple[Any, Any]) -> None:
+        assert self._bar is not None
         step, loss = value
         if step == step:  # NaN before the first notification
             # never backwards: `done` may be ahead of the last notification
             completed = max(self._bar.tasks[0].completed, int(step) - self.start)
             self._bar.update(self._task, completed=completed, loss=float(loss))
 
-    def done(self, applied: int, loss=None) -> None:
+    def done(self, applied: int, loss: Any = None) -> None:
         """Show the updates the call applied when it returned normally (the bar otherwise
         rests on the last multiple of ``every``); the last loss is shown on exit: ``loss``
         if given (the loss before the last update), else the last one notified or read."""
@@ -193,7 +198,7 @@ class Notifier:
             if loss is not None:
                 self._final = (self.start + int(applied), loss)
 
-    def __call__(self, step, loss) -> None:
+    def __call__(self, step: Any, loss: Any) -> None:
         if self._bar is not None:
             self._latest = (step, loss)
         if self.callback is not None:
@@ -201,7 +206,7 @@ class Notifier:
 
 
 @contextlib.contextmanager
-def deferred_interrupts():
+def deferred_interrupts() -> Iterator[None]:
     """Hold back Ctrl-C (SIGINT) while a backend writes one step's results into the user's
     objects, and raise it once they are consistent again (parameters, optimizer state and
     step counter all at the same step). Outside the main thread, signals cannot arrive

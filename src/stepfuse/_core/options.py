@@ -96,7 +96,7 @@ def check_tol(value: Any) -> float | None:
     fix = "Pass a loss difference >= 0 such as tol=1e-6, or tol=None to never stop early."
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         fail(TypeError, "tol", value, "a float >= 0 or None", fix)
-    if not value >= 0 or math.isnan(value):
+    if not float(value) >= 0 or math.isnan(value):
         fail(ValueError, "tol", value, "a float >= 0 or None", fix)
     return float(value)
 

@@ -100,7 +100,7 @@ def n_recorded(evaluated: int, record_every: int) -> int:
     return ceil_div(evaluated, record_every)
 
 
-def host_trace(losses, steps: int, stop: int, record_every: int) -> Trace:
+def host_trace(losses: Any, steps: Any, stop: Any, record_every: int) -> Trace:
     """Build a host `Trace` from a backend's raw loss buffer and counters.
 
     ``losses`` holds at least the recorded entries; the number kept follows from the
@@ -124,7 +124,7 @@ class NonFiniteError(FloatingPointError):
     passed in); None where the backend updates the variables in place (TF, torch).
     """
 
-    def __init__(self, step: int, trace: Trace, state=None):
+    def __init__(self, step: int, trace: Trace, state: Any = None):
         self.step = step
         self.trace = trace
         self.state = state

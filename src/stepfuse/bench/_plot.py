@@ -7,12 +7,16 @@ other contenders of that backend dashed with their own markers.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._timing import Result
 
 _COLORS = {"jax": "tab:blue", "tf": "tab:orange", "tf1": "tab:green", "torch": "tab:red"}
 _MARKERS = "sv^Dx*P"
 
 
-def plot_results(results, path: str) -> None:
+def plot_results(results: list[Result], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -21,11 +25,11 @@ def plot_results(results, path: str) -> None:
     panels = sorted({r.problem for r in results}, key=["seed", "mlp", "wide"].index)
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
     for ax, problem in zip(axes[0], panels):
-        lines = defaultdict(list)
+        lines: defaultdict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
         for r in results:
             if r.problem == problem:
                 lines[(r.backend, r.contender)].append((r.n or r.steps, r.us_per_step))
-        others = defaultdict(int)
+        others: defaultdict[str, int] = defaultdict(int)
         for (backend, contender), pts in sorted(lines.items()):
             pts.sort()
             color = _COLORS.get(backend, "gray")

@@ -13,6 +13,7 @@ import json
 import platform
 import time
 from collections.abc import Callable
+from typing import Any
 
 __all__ = ["Result", "time_call", "interleaved_best", "measure", "print_table", "write_json"]
 
@@ -141,7 +142,7 @@ def print_table(results: list[Result], title: str = "stepfuse benchmark") -> Non
     Console().print(table)
 
 
-def write_json(results: list[Result], path: str, **meta) -> None:
+def write_json(results: list[Result], path: str, **meta: Any) -> None:
     payload = {
         "machine": {
             "platform": platform.platform(),

@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..problems import blobs, mlp_init, perceptron_init
 
 SIZES = ("seed", "mlp", "wide", "deep")
@@ -16,7 +18,7 @@ SIZES = ("seed", "mlp", "wide", "deep")
 MAX_STEPS = {"seed": 10_000, "mlp": 10_000, "wide": 10, "deep": 10_000}
 
 
-def problem(size: str):
+def problem(size: str) -> tuple[list[dict[str, np.ndarray]], np.ndarray, np.ndarray]:
     """``(layers, x, y)``: a list of ``{"kernel", "bias"}`` layers (tanh between them) and data."""
     if size == "seed":
         x, y = blobs(50)
