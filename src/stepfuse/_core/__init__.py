@@ -25,6 +25,7 @@ from .options import (
     fail,
     shared_doc,
 )
+from .protocol import FitLike, Stepper
 from .stepwise import finish, run_stepwise
 from .trace import NonFiniteError, Stop, Trace, ceil_div, host_trace, n_recorded
 
@@ -32,11 +33,13 @@ __all__ = [
     "HOST",
     "OPTIONS_DOC",
     "CallbackErrors",
+    "FitLike",
     "Flow",
     "NonFiniteError",
     "Notifier",
     "Ops",
     "Options",
+    "Stepper",
     "Stop",
     "Trace",
     "ceil_div",
