@@ -19,7 +19,7 @@ import pytest
 
 import stepfuse.jax as sf
 from stepfuse import Stop
-from stepfuse.jax._fit import _inputs_reaching_output
+from stepfuse.jax._checks import inputs_reaching_output
 from stepfuse.problems import blobs, perceptron_init
 
 X, Y = blobs()
@@ -328,7 +328,7 @@ def params_used(loss_fn, params, *batch):
     """Which leaves of ``params`` the loss of ``loss_fn`` depends on (the library's check)."""
     closed = jax.make_jaxpr(loss_fn)(params, *batch)
     n = len(jax.tree_util.tree_leaves(params))
-    return _inputs_reaching_output(closed.jaxpr)[:n]
+    return inputs_reaching_output(closed.jaxpr)[:n]
 
 
 @pytest.mark.parametrize(

@@ -219,6 +219,32 @@ def test_one_trace_across_steps_and_batch_values():
     assert len(traces) == 1
 
 
+@pytest.mark.parametrize("mode", ["fused", "stepwise"])
+def test_compiles_counts_one_program_per_batch_shape_and_mode_is_reported(mode):
+    from stepfuse._core import FitLike
+
+    fit = sf.fuse(perceptron_loss, optax.adam(0.01), steps=20, mode=mode)
+    assert isinstance(fit, FitLike)
+    assert (fit.mode, fit.compiles) == (mode, 0)
+    state = fit.init(perceptron_init())
+    for n, seed in [(20, 0), (1, 1), (7, 2), (20, 3)]:  # other steps=n, other batch values
+        x, y = blobs(seed=seed)
+        state, trace = fit(state, x, y, steps=n)
+        assert trace.steps == n
+    assert fit.compiles == 1
+    fit(state, X[:-1], Y[:-1], steps=3)  # a new batch shape: a new program
+    assert fit.compiles == 2
+    fit(state, X[:-1], Y[:-1], steps=5)
+    assert (fit.mode, fit.compiles) == (mode, 2)
+
+
+def test_fuse_docstring_lists_the_shared_options_among_its_args():
+    doc = sf.fuse.__doc__
+    assert "{options}" not in doc
+    for name in ("loss_fn", "steps", "tol", "on_nonfinite", "mode", "has_aux"):
+        assert f"\n      {name}: " in doc  # indented like every other entry of Args
+
+
 def test_state_keeps_its_structure_shapes_and_dtypes():
     fit = sf.fuse(mlp_loss, optax.adamw(0.01), steps=4)
     state0 = fit.init(mlp_init((2, 16, 2)))

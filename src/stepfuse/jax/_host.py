@@ -20,6 +20,7 @@ import struct
 import threading
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 __all__ = ["available", "register", "send"]
 
@@ -55,7 +56,15 @@ class _MetadataExt(C.Structure):
 _receivers: dict[int, weakref.ref] = {}
 _thread = threading.local()
 _lock = threading.Lock()
-_state = {"ok": None, "handler": None, "next_id": 1}
+
+
+class _State:
+    ok: bool | None = None  # whether `send` works (None: not checked yet)
+    handler: Any = None  # the ctypes handler, kept alive for the life of the process
+    next_id = 1
+
+
+_state = _State()
 
 
 # The leading fields of XLA_FFI_CallFrame (up to the end of its XLA_FFI_Args) and of
@@ -112,7 +121,8 @@ def _pin_thread_state() -> None:
     """Keep this (XLA-owned) thread's Python thread state between calls.
 
     ctypes wraps each call in PyGILState_Ensure/Release, which on a thread Python did not
-    start creates and destroys a thread state every time (measured: ~8 us per call here).
+    start creates and destroys a thread state every time (a cost on every notification: see
+    docs/internals/jax.md).
     One Ensure that is never released keeps it, like a thread Python started itself.
     """
     ensure = C.pythonapi.PyGILState_Ensure
@@ -136,9 +146,9 @@ def _answer_metadata(ext: int) -> None:
 def available() -> bool:
     """Whether `send` works here (registered and checked once per process, on CPU only)."""
     with _lock:
-        if _state["ok"] is None:
-            _state["ok"] = _setup()
-        return _state["ok"]
+        if _state.ok is None:
+            _state.ok = _setup()
+        return _state.ok
 
 
 def _setup() -> bool:
@@ -149,25 +159,28 @@ def _setup() -> bool:
         if not _LAYOUT_OK or jax.default_backend() != "cpu":
             return False
         proto = C.CFUNCTYPE(C.c_void_p, C.c_void_p)
-        _state["handler"] = proto(_handler)  # kept alive for the life of the process
-        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(_state["handler"]), platform="cpu")
+        _state.handler = proto(_handler)  # kept alive for the life of the process
+        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(_state.handler), platform="cpu")
         seen = []
 
         def probe(values):
             seen.append(list(values))
 
         rid = _new_id(probe)
-        jax.block_until_ready(
-            jax.jit(lambda v: (send(rid, v), v)[1])(jnp.arange(3, dtype=jnp.int32))
-        )
+
+        def emit(v):
+            send(rid, v)
+            return v
+
+        jax.block_until_ready(jax.jit(emit)(jnp.arange(3, dtype=jnp.int32)))
         return seen == [[0, 1, 2]]
     except Exception:  # noqa: BLE001 - any failure means: use jax.debug.callback
         return False
 
 
-def _new_id(receiver) -> int:
-    rid = _state["next_id"]
-    _state["next_id"] += 1
+def _new_id(receiver: Callable[[tuple], None]) -> int:
+    rid = _state.next_id
+    _state.next_id += 1
     _receivers[rid] = (
         weakref.WeakMethod(receiver) if hasattr(receiver, "__self__") else weakref.ref(receiver)
     )
@@ -183,7 +196,7 @@ def register(receiver: Callable[[tuple], None]) -> int | None:
         return _new_id(receiver)
 
 
-def send(rid: int, values) -> None:
+def send(rid: int, values: Any) -> None:
     """Inside a jitted program: hand ``values`` (int32, any shape) to receiver ``rid``
     (as a flat tuple of Python ints)."""
     import jax

@@ -1,0 +1,315 @@
+"""The fused program: a call's steps in one compiled ``lax.while_loop``.
+
+Each step moves the shared bookkeeping (`stepfuse._core.loop.Flow`) with the shared
+functions over JAX arrays (`OPS`): where its loss is recorded, when ``tol`` is met,
+whether the step was finite, why the loop stopped and how many updates it applied are
+those of every other loop. What is JAX's own is how the steps are laid out:
+
+- chunks: the losses go to a small buffer of `CHUNK` records that is copied into the
+  trace once per chunk (a per-step write into the whole trace buffer costs far more on
+  XLA:CPU);
+- segments: with notifications, the chunks up to the next multiple of the call's
+  ``period`` and then one host call, in an outer loop of their own;
+- no select per step: the loop applies every update and stops after a refused one;
+  the state before it is rebuilt by running the finite steps again (`Fit._rebuild` on
+  the host, `_Loop.rebuilt` inside a user's transform);
+- the masked scan: for reverse-mode ``jax.grad``, a fixed-length ``lax.scan`` whose
+  finished steps are skipped by a ``cond`` and whose refused update is not applied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from .._core import Options, ceil_div
+from .._core.loop import (
+    Flow,
+    Met,
+    advance,
+    applied,
+    record_slot,
+    refused,
+    running,
+    stop_code,
+    within_tol,
+)
+from . import _host
+from ._checks import Loss
+from ._ops import OPS, select
+from ._probe import flat_state, held
+from ._state import FitState
+from ._step import propose
+from ._transforms import varying_like
+
+__all__ = ["CHUNK", "Carry", "run", "unpack"]
+
+# A float32/float64 loss buffer travels to the host as the integers of its bits (`run`).
+INT_OF: dict[np.dtype, type] = {np.dtype(np.float32): np.int32, np.dtype(np.float64): np.int64}
+FLOAT_OF: dict[np.dtype, type] = {np.dtype(np.int32): np.float32, np.dtype(np.int64): np.float64}
+CHUNK = 32  # losses kept on the side before each copy into the trace (see `_Loop.chunk`)
+
+
+class Carry(NamedTuple):
+    """What the fused loop carries from step to step.
+
+    Attributes:
+      flow: the shared bookkeeping: steps evaluated, the last step's finite probe, and
+        the last two losses where they are read each step (``last`` for ``tol`` and the
+        masked scan's notifications, ``before`` for ``tol``; else None, not carried:
+        the chunked loop's notifications read the last loss back from the trace, one
+        kernel less a step on XLA:CPU).
+      params, opt_state: the current parameters and optimizer state.
+      buf: recorded losses: whole chunks of slots, then one slot for unrecorded steps.
+      aux: the aux of the last evaluated step (None without ``has_aux``).
+      kept: the optimizer-state entries that may stay non-finite (`_probe.held`).
+    """
+
+    flow: Flow
+    params: Any
+    opt_state: Any
+    buf: jax.Array
+    aux: Any
+    kept: jax.Array
+
+
+class _Loop:
+    """The pieces of one traced fused loop, over the constants of the call being traced."""
+
+    def __init__(
+        self,
+        opts: Options,
+        optimizer: optax.GradientTransformation,
+        loss: Loss,
+        dispatch: Callable[[jax.Array], None],
+        batch: tuple,
+        step0: jax.Array,
+        n: jax.Array,
+        period: jax.Array,
+        host_id: int | None,
+        scanned: bool,
+    ):
+        self.opts, self.k = opts, opts.record_every
+        self.optimizer, self.loss, self.dispatch, self.batch = optimizer, loss, dispatch, batch
+        self.step0, self.n, self.period, self.host_id = step0, n, period, host_id
+        self.size = ceil_div(opts.capacity, CHUNK) * CHUNK  # whole chunks (+1 slot: `Carry.buf`)
+        self.keep_loss = opts.tol is not None or (opts.notify and scanned)
+        self.met: Met | None = None if opts.tol is None else within_tol(OPS, opts.tol, loss.dtype)
+
+    def start(self, params: Any, opt_state: Any) -> Carry:
+        nan = jnp.array(jnp.nan, self.loss.dtype)
+        flow = Flow(
+            jnp.int32(0),
+            jnp.float32(0),
+            nan if self.keep_loss else None,
+            nan if self.opts.tol is not None else None,
+        )
+        aux0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), self.loss.aux_shape)
+        carry = Carry(flow, params, opt_state, self.fresh_buf(), aux0, held(flat_state(opt_state)))
+        return varying_like(carry, (params, opt_state, self.batch))
+
+    def fresh_buf(self) -> jax.Array:
+        return jnp.full((self.size + 1,), jnp.nan, self.loss.dtype)
+
+    def running(self, c: Carry, n: Any) -> Any:
+        return running(OPS, c.flow, n, self.met)
+
+    def body(self, first: Any, unrecorded: Any, guarded: bool) -> Callable[[Carry], Carry]:
+        """One step; its loss goes to ``buf[i // k - first]`` or, off the record, to
+        ``buf[unrecorded]``.
+
+        ``guarded``: a non-finite update is not applied (the masked scan). Otherwise the
+        step applies every update and the loop stops after a refused one (its test reads
+        the probe); the state before it is rebuilt afterwards. Selecting the old state at
+        every step cost a kernel per optimizer-state leaf on XLA:CPU, where the selected
+        value must be materialised apart from its update.
+        """
+
+        def body(c: Carry) -> Carry:
+            value, aux, new_params, new_opt, probe, new_kept = propose(
+                self.optimizer, self.loss, c.params, c.opt_state, self.batch, c.kept
+            )
+            slot = record_slot(c.flow.i, self.k, first, unrecorded, OPS)
+            buf = jax.lax.dynamic_update_index_in_dim(c.buf, value, slot, 0)
+            flow = advance(c.flow, value, probe)
+            ok = OPS.logical_not(refused(OPS, flow))
+            if guarded:
+                new_params, new_opt = select(ok, (new_params, new_opt), (c.params, c.opt_state))
+            # Written after the probe has read the old one (it depends on the probe): else
+            # XLA copies it twice a step to update it in place.
+            new_kept = select(ok, new_kept, c.kept)
+            return Carry(flow, new_params, new_opt, buf, aux, new_kept)
+
+        return body
+
+    def last_loss(self, c: Carry) -> Any:
+        """The loss of the last evaluated step: carried, or read back from the trace
+        (recorded, or else the slot for unrecorded steps; see `chunk`)."""
+        if self.keep_loss:
+            return c.flow.last
+        return c.buf[record_slot(c.flow.i - 1, self.k, 0, self.size, OPS)]
+
+    def notify(self, before: Carry, c: Carry) -> Carry:
+        """Call the host with (step, loss) if the last update reached a multiple of the
+        call's period."""
+        done = applied(OPS, c.flow)
+        hit = (done > applied(OPS, before.flow)) & ((self.step0 + done) % self.period == 0)
+        # Fire and forget: a callback whose result fed back into the loop would make the
+        # device wait on the host. One int32 array (step, hit, the loss's bits): every
+        # argument of a host callback has a cost of its own on XLA:CPU, so the values
+        # travel as one. A float64 loss keeps its precision (two ints), any other is exact
+        # as a float32.
+        value = self.last_loss(c)
+        value = value if value.dtype == jnp.float64 else value.astype(jnp.float32)
+        bits = jnp.ravel(jax.lax.bitcast_convert_type(value, jnp.int32))
+        packed = jnp.concatenate([jnp.stack([self.step0 + done, OPS.to_int(hit)]), bits])
+        if self.host_id is not None:
+            _host.send(self.host_id, packed)
+        else:
+            jax.debug.callback(self.dispatch, packed)
+        return c
+
+    def chunk(self, c: Carry, end: Any) -> Carry:
+        """Run the steps, up to iteration ``end``, whose losses fill one chunk of records.
+
+        The losses go to a small buffer that is copied into the trace once per chunk:
+        a per-step write into the whole trace buffer costs far more on XLA:CPU.
+        """
+        big = c.buf
+        first = (c.flow.i // (CHUNK * self.k)) * CHUNK
+        limit = jnp.minimum(end, (first + CHUNK) * self.k)
+        small = jnp.concatenate([jax.lax.dynamic_slice(big, (first,), (CHUNK,)), big[-1:]])
+        inner = jax.lax.while_loop(
+            lambda c: self.running(c, limit),
+            self.body(first, CHUNK, False),
+            c._replace(buf=small),
+        )
+        big = jax.lax.dynamic_update_slice(big, inner.buf[:CHUNK], (first,))
+        if self.opts.notify and not self.keep_loss:  # the last unrecorded loss, for `last_loss`
+            big = big.at[self.size].set(inner.buf[CHUNK])
+        return inner._replace(buf=big)
+
+    def segment(self, c: Carry) -> Carry:
+        """The chunks up to the next multiple of the period, then the host callback.
+
+        The callback sits in its own outer loop: inside the chunk loop its side effect
+        made XLA copy the whole trace buffer at every chunk. The segment ends at the
+        iteration whose step count is the next multiple of the period (``i +
+        next_multiple(step, period) - step``), written with ``%``: ``step + period`` could
+        overflow int32 for a step count near 2**31.
+        """
+        end = jnp.minimum(
+            self.n, c.flow.i + self.period - (self.step0 + applied(OPS, c.flow)) % self.period
+        )
+        new = jax.lax.while_loop(lambda c: self.running(c, end), lambda c: self.chunk(c, end), c)
+        return self.notify(c, new)
+
+    def fused(self, carry: Carry) -> Carry:
+        """The call's steps: chunks, in segments when the loop notifies the host."""
+        step = self.segment if self.opts.notify else lambda c: self.chunk(c, self.n)
+        return jax.lax.while_loop(lambda c: self.running(c, self.n), step, carry)
+
+    def rebuilt(self, carry: Carry, out: Carry) -> Carry:
+        """``out`` with the state before its refused update, if any: `Fit._rebuild` inside
+        the program, for a call traced by a user's transform (under vmap both branches
+        run: no step for the models that need none)."""
+        bad = refused(OPS, out.flow)
+        good = jnp.where(bad, applied(OPS, out.flow), 0)
+
+        def redo(good: Any) -> tuple[Any, Any]:
+            again = carry._replace(buf=varying_like(self.fresh_buf(), carry))
+            again = jax.lax.while_loop(
+                lambda a: a.flow.i < good, lambda a: self.chunk(a, good), again
+            )
+            return again.params, again.opt_state
+
+        params, opt_state = jax.lax.cond(bad, redo, lambda _: (out.params, out.opt_state), good)
+        return out._replace(params=params, opt_state=opt_state)
+
+    def scanned(self, carry: Carry, length: int) -> Carry:
+        """Reverse-differentiable: ``length`` iterations, those past the call's end or its
+        stop skipped, a refused update not applied."""
+        body = self.body(0, self.size, True)
+
+        def scan_body(c: Carry, _: Any) -> tuple[Carry, None]:
+            new = jax.lax.cond(self.running(c, self.n), body, lambda c: c, c)
+            return (self.notify(c, new) if self.opts.notify else new), None
+
+        return jax.lax.scan(scan_body, carry, None, length=length)[0]
+
+    def result(self, out: Carry, pack: bool) -> tuple[FitState, Any, Any]:
+        done = applied(OPS, out.flow)
+        stop = stop_code(OPS, out.flow, self.met)
+        state = FitState(out.params, out.opt_state, self.step0 + done)
+        ints = INT_OF.get(np.dtype(out.buf.dtype))
+        if pack and ints is not None:
+            # For the host: the losses' bits, then applied and stop, as one integer array
+            # (each array read back is a transfer of its own).
+            counts = jnp.stack([done, jnp.int32(stop)]).astype(ints)
+            return (
+                state,
+                jnp.concatenate([jax.lax.bitcast_convert_type(out.buf, ints), counts]),
+                out.aux,
+            )
+        return state, (out.buf, done, stop), out.aux
+
+
+def run(
+    opts: Options,
+    optimizer: optax.GradientTransformation,
+    loss: Loss,
+    dispatch: Callable[[jax.Array], None],
+    state: FitState,
+    batch: tuple,
+    n: jax.Array,
+    period: jax.Array,
+    *,
+    scan_steps: int | None,
+    host_id: int | None,
+    pack: bool,
+    rebuild: bool,
+) -> tuple[FitState, Any, Any]:
+    """The fused program of a call of ``n`` steps from ``state``, traced: ``(state, out,
+    aux)``, ``out`` the losses' bits then applied and the stop code as one integer array
+    (``pack``), else ``(losses, applied, stop)``.
+
+    ``scan_steps``: run the masked scan of that many iterations; ``host_id``: notify
+    through stepfuse's FFI target (else ``jax.debug.callback`` to ``dispatch``);
+    ``rebuild``: rebuild the state before a refused update inside the program.
+    """
+    loop = _Loop(
+        opts,
+        optimizer,
+        loss,
+        dispatch,
+        batch,
+        state.step,
+        n,
+        period,
+        host_id,
+        scan_steps is not None,
+    )
+    carry = loop.start(state.params, state.opt_state)
+    if scan_steps is not None:
+        out = loop.scanned(carry, scan_steps)
+    else:
+        out = loop.fused(carry)
+        if rebuild:  # else the host does it (`Fit._rebuild`): this cond costs time every call
+            out = loop.rebuilt(carry, out)
+    return loop.result(out, pack)
+
+
+def unpack(out: Any) -> tuple[Any, Any, Any]:
+    """``(losses, applied, stop)`` from what `run` returned: read back to the host in one
+    transfer when packed."""
+    if isinstance(out, tuple):
+        return out
+    out = np.asarray(out)
+    buf = out[:-2].view(np.float32 if out.dtype == np.int32 else FLOAT_OF[out.dtype])
+    applied, stop = out[-2:].tolist()
+    return buf, applied, stop

@@ -1,0 +1,31 @@
+"""`FitState`, what a JAX fit carries between calls, and `stepfuse.Trace` as a pytree."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+
+from .._core import Trace
+
+__all__ = ["FitState"]
+
+jax.tree_util.register_pytree_node(
+    Trace,
+    lambda t: ((t.loss, t.steps, t.stop), t.record_every),
+    lambda k, children: Trace(*children, record_every=k),
+)
+
+
+class FitState(NamedTuple):
+    """Everything a fit carries between calls: a pytree, so it vmaps, saves and restores.
+
+    Attributes:
+      params: the parameters (any pytree of float arrays).
+      opt_state: the optax optimizer state.
+      step: int32 scalar, the number of updates applied since ``init``.
+    """
+
+    params: Any
+    opt_state: Any
+    step: jax.Array
