@@ -25,6 +25,8 @@ from torch_helpers import (
     X,
     Y,
     assert_close_lists,
+    assert_fused,
+    assert_mode,
     assert_same_state,
     make,
     params_of,
@@ -217,6 +219,7 @@ def test_a_raising_callback_reaches_the_user_with_the_state_of_the_last_complete
     fit = sf.fuse(loss_fn, optimizer, steps=8, callback=cb, every=2, mode=mode, chunk=2)
     with pytest.raises(ZeroDivisionError, match="user bug"):
         fit(X, Y)
+    assert_mode(fit, mode)
     assert seen == [2, 4] and fit.step == 4
     ref_m, ref_o, _ = make("perceptron", "adam")
     reference_steps(ref_m, ref_o, 4)
@@ -237,7 +240,8 @@ def fused_fit():
     model, optimizer, loss_fn = make("perceptron", "adam")
     fit = sf.fuse(loss_fn, optimizer, steps=4, chunk=2)
     fit(X, Y, steps=3)  # compiles; state exists
-    assert fit.mode == "fused" and fit.compiles == 1
+    assert_fused(fit)
+    assert fit.compiles == 1
     return model, optimizer, fit
 
 

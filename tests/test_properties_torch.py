@@ -21,6 +21,7 @@ from torch_helpers import (
     X,
     Y,
     assert_close_lists,
+    assert_mode,
     assert_same_state,
     make,
     params_of,
@@ -114,6 +115,7 @@ def test_fused_equals_stepwise_for_any_split(split, warm):
         if warm:  # start from an existing optimizer state (no eager first step)
             fit(X, Y, steps=1)
         traces = [fit(X, Y, steps=n) for n in split]
+        assert_mode(fit, mode)
         assert [t.steps for t in traces] == split and all(t.stop == Stop.STEPS for t in traces)
         out[mode] = (
             np.concatenate([t.loss for t in traces]),

@@ -41,6 +41,8 @@ from torch_helpers import (
     X,
     Y,
     assert_close_lists,
+    assert_fused,
+    assert_mode,
     assert_same_state,
     make,
     params_of,
@@ -136,6 +138,7 @@ def test_fault_mid_call_stops_before_the_bad_update(fault_fits, kind):
         reset("perceptron", model, optimizer)
         start = fit.step
         trace = fit(X, Y, torch.tensor(kind), torch.tensor(thr))
+        assert_mode(fit, mode)
         assert trace.stop == Stop.NONFINITE and trace.steps == FAULT_AT, (mode, trace)
         assert fit.step - start == FAULT_AT
         assert len(trace.loss) == FAULT_AT + 1 and np.all(np.isfinite(trace.loss[:-1]))
@@ -162,6 +165,7 @@ def test_fault_at_the_first_step_of_a_later_call_applies_nothing(fault_fits, kin
         fit(X, Y, torch.tensor(0), torch.tensor(0.0), steps=3)
         params, state = params_of(model), state_of(optimizer)
         trace = fit(X, Y, torch.tensor(kind), torch.tensor(math.inf), steps=6)  # fires at once
+        assert_mode(fit, mode)
         assert (trace.steps, trace.stop, len(trace.loss)) == (0, Stop.NONFINITE, 1), mode
         assert_bitwise(params_of(model), params)
         assert_bitwise(state_of(optimizer), state)
@@ -187,7 +191,8 @@ def test_on_nonfinite_raise_reports_the_global_step(fault_fits, mode):
     assert_close_lists(params_of(model), params_of(ref_m))
     assert_same_state(state_of(optimizer), state_of(ref_o))
     if mode == "fused":
-        assert fit.mode == "fused" and fit.compiles == 1
+        assert_fused(fit)
+        assert fit.compiles == 1
 
 
 # -- 2. checkpoints ---------------------------------------------------------------------------
@@ -331,6 +336,7 @@ def test_fused_checkpoint_round_trip_is_bitwise(fused_adam, tmp_path):
     assert_bitwise(params_of(model), ref_params)
     assert_bitwise(opt_tensors(optimizer), ref_state)
     np.testing.assert_array_equal(np.concatenate([first, second]), ref_loss)
+    assert_fused(fit)
     assert fit.compiles == 1
 
 
@@ -342,6 +348,7 @@ def run_split(model, optimizer, fit, split):
     losses = []
     for n in split:
         trace = fit(X, Y, steps=n)
+        assert_mode(fit, fit.opts.mode)
         assert trace.steps == n
         losses.append(trace.loss)
     return params_of(model), state_of(optimizer), np.concatenate(losses)
@@ -406,6 +413,7 @@ def test_progress_bar_is_shown(fused_adam, mode, capsys):
         fit.opts = dataclasses.replace(fit.opts, progress=False, every=None)
     out = capsys.readouterr().out
     assert trace.steps == 12
+    assert_mode(fit, mode)
     assert "stepfuse.torch" in out and "12/12" in out, out
     if mode == "fused":
         assert fit.compiles == 1

@@ -1,7 +1,7 @@
 """stepfuse.torch: fused and stepwise fits against plain PyTorch training.
 
 The reference everywhere is ``opt.zero_grad(); loss.backward(); opt.step()`` written
-here. Compiles are the slow part (~10 s each on 2 CPU cores), so compiled fits are
+here. Compiles are the slow part (docs/internals/torch.md), so compiled fits are
 shared by module-scoped fixtures, and the four SGD variants are covered in the fused
 mode by one SGD with four parameter groups (one compile) on the MLP; the stepwise mode
 runs the full optimizer x model matrix.
@@ -21,6 +21,8 @@ from torch_helpers import (
     X,
     Y,
     assert_close_lists,
+    assert_fused,
+    assert_mode,
     assert_same_state,
     make,
     mlp,
@@ -33,6 +35,7 @@ from torch_helpers import (
 
 import stepfuse.torch as sf
 from stepfuse import NonFiniteError, Stop
+from stepfuse.torch import _cuda as torch_cuda
 
 CALLS = (3, 1, 4)  # steps of successive calls: a remainder, a single step, two chunks
 
@@ -48,7 +51,7 @@ def check_against_reference(model_name, opt=None, groups=None, mode="fused", fit
         warnings.simplefilter("error", RuntimeWarning)  # no silent fallback
         fit = sf.fuse(loss_fn, optimizer, steps=4, mode=mode, **(fit_kwargs or {}))
         losses, traces = run_calls(fit)
-    assert fit.mode == mode
+    assert_mode(fit, mode)
     ref_model, ref_opt, _ = make(model_name, opt, groups)
     ref_losses = reference_steps(ref_model, ref_opt, sum(CALLS))
     assert [t.steps for t in traces] == list(CALLS)
@@ -118,6 +121,7 @@ def test_fused_sgd_matches_torch_reference_perceptron(sgd_fit):
     model, optimizer, fit = sgd_fit
     reset("perceptron", model, optimizer)
     losses, _ = run_calls(fit)
+    assert_fused(fit)
     ref_model, ref_opt, _ = make("perceptron", "sgd")
     np.testing.assert_allclose(
         losses, reference_steps(ref_model, ref_opt, sum(CALLS)), rtol=1e-6, atol=1e-7
@@ -139,6 +143,7 @@ def test_seed_row_k_equals_row_3k(sgd_fit):
     reset("perceptron", model, optimizer)
     start = fit.step
     three = [fit(X, Y) for _ in range(10)]
+    assert_fused(fit)
     assert all(t.steps == 3 and t.loss.shape == (3,) for t in three)
     model1, opt1, loss1 = make("perceptron", "sgd")
     one = sf.fuse(loss1, opt1, steps=1, mode="stepwise")
@@ -159,6 +164,7 @@ def test_one_compile_serves_every_steps_and_new_batch_values(sgd_fit):
     for n in (1, 2, 5, 17, 3):
         assert fit(X, Y, steps=n).steps == n
     fit(X + 0.5, Y.flip(0), steps=4)  # new values, same shapes
+    assert_fused(fit)
     assert fit.compiles == before == 1
 
 
@@ -195,7 +201,7 @@ def test_options_tol_record_every_callback_match_stepwise_oracle(device):
             ),
         )
     traces = {mode: [f(x, y, steps=n) for n in (5, 40)] for mode, (_, _, f) in fits.items()}
-    assert fits["fused"][2].mode == "fused"
+    assert_fused(fits["fused"][2])
     for tf, ts in zip(traces["fused"], traces["stepwise"]):
         assert (tf.steps, tf.stop) == (ts.steps, ts.stop)
         np.testing.assert_allclose(tf.loss, ts.loss, **tol)
@@ -224,7 +230,7 @@ def test_nonfinite_stops_before_the_bad_update_like_the_stepwise_oracle(device):
         model.to(device)
         fit = sf.fuse(loss_fn, optimizer, steps=10, mode=mode, chunk=2)
         runs[mode] = (model, optimizer, fit(x, y))
-        assert fit.mode == mode
+        assert_mode(fit, mode)
     (mf, of, tf), (ms, os_, ts) = runs["fused"], runs["stepwise"]
     assert ts.stop == Stop.NONFINITE and 1 < ts.steps < 10
     assert (tf.steps, tf.stop) == (ts.steps, ts.stop)
@@ -262,6 +268,7 @@ def test_callback_fires_inside_the_call_and_its_exception_reaches_the_caller(mod
     fit = sf.fuse(loss_fn, optimizer, steps=10, callback=boom, every=2, mode=mode, chunk=2)
     with pytest.raises(KeyError, match="stop here"):
         fit(X, Y)
+    assert_mode(fit, mode)
     ref_m, ref_o, _ = make("perceptron", "sgd")
     ref_losses = reference_steps(ref_m, ref_o, 6)
     assert [s for s, _ in calls] == [2, 4, 6] and fit.step == 6
@@ -510,7 +517,7 @@ def test_parameters_outside_the_optimizer_stay_fixed_and_the_fit_stays_fused():
             lambda x, y: torch.nn.functional.cross_entropy(head(body(x)), y), optimizer, steps=4
         )
         losses, _ = run_calls(fit)
-    assert fit.mode == "fused"
+    assert_fused(fit)
     ref_body, ref_head, ref_opt = build()
     ref = torch.nn.Sequential(ref_body, ref_head)
     np.testing.assert_allclose(
@@ -558,8 +565,8 @@ def test_graph_path_static_buffers_and_replays_match_reference_on_cpu(monkeypatc
         graphs[:] = [_Replay(chunk, k) for k in sizes]
         return list(graphs)
 
-    monkeypatch.setattr(sf._fit, "_cuda_graphs", fake_graphs)
-    monkeypatch.setattr(sf._fit, "_GRAPH_CHUNKS", 2)
+    monkeypatch.setattr(torch_cuda, "cuda_graphs", fake_graphs)
+    monkeypatch.setattr(torch_cuda, "GRAPH_CHUNKS", 2)
     monkeypatch.setattr(sf.FusedFit, "_cuda", property(lambda self: True))
     if kernels == "eager":
 
@@ -577,7 +584,8 @@ def test_graph_path_static_buffers_and_replays_match_reference_on_cpu(monkeypatc
         fit = sf.fuse(loss_fn, optimizer, steps=9, chunk=2)
         calls = (3, 1, 9, 2)  # 9 steps: chunks 5 = 2 long replays of 2 chunks + 1 short
         traces = [fit(X, Y, steps=n) for n in calls]
-    assert fit.mode == "fused" and fit.compiles == 1
+    assert_fused(fit)
+    assert fit.compiles == 1
     assert fit._program.fused_kernels == (kernels == "compiled")
     assert [t.steps for t in traces] == list(calls)
     assert [g.replays for g in graphs] == [1 + 1 + 1 + 1, 2]  # (3-1 eager first step)/2, 1, 9, 2
@@ -618,7 +626,7 @@ def test_cuda_graph_matches_torch_reference(opt):
         fit = sf.fuse(loss_fn, optimizer, steps=9, chunk=2)
         calls = (3, 1, 9, 2)  # 9 steps: more chunks than one long replay holds
         traces = [fit(X.cuda(), Y.cuda(), steps=n) for n in calls]
-    assert fit.mode == "fused", fit.fallback_reason
+    assert_fused(fit)
     assert fit._program.fused_kernels, fit._program.compile_error
     assert [t.steps for t in traces] == list(calls)
     losses = np.concatenate([t.loss for t in traces])
@@ -744,7 +752,8 @@ def test_bfloat16_model_runs_fused_and_equals_stepwise():
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
             losses, traces = run_calls(fit, x=X.to(torch.bfloat16))
-        assert fit.mode == mode and losses.dtype == np.float32
+        assert_mode(fit, mode)
+        assert losses.dtype == np.float32
         out[mode] = (losses, [p.float() for p in params_of(model)])
     # inductor computes bfloat16 ops in float32 and rounds once; eager rounds every op
     np.testing.assert_allclose(out["fused"][0], out["stepwise"][0], rtol=2e-2)
@@ -769,7 +778,8 @@ def test_a_callback_that_changes_the_lr_takes_effect_for_the_rest_of_the_call():
         if mode == "fused":
             with pytest.warns(RuntimeWarning, match="compiled again"):
                 trace = fit(X, Y)
-            assert fit.compiles == 2 and fit.mode == "fused"
+            assert_fused(fit)
+            assert fit.compiles == 2
         else:
             trace = fit(X, Y)
         out[mode] = (trace.loss, params_of(model), state_of(optimizer))
@@ -786,7 +796,7 @@ def test_graph_path_copies_nested_batch_tensors_into_its_buffers(monkeypatch):
     copied into the static buffers, and batches were told apart by their repr (which
     elides a large tensor's values), so a later call trained on the first call's data."""
     monkeypatch.setattr(
-        sf, "_cuda_graphs", lambda chunk, dev, sizes: [_Replay(chunk, k) for k in sizes]
+        torch_cuda, "cuda_graphs", lambda chunk, dev, sizes: [_Replay(chunk, k) for k in sizes]
     )
     monkeypatch.setattr(sf.FusedFit, "_cuda", property(lambda self: True))
 
@@ -809,7 +819,7 @@ def test_graph_path_copies_nested_batch_tensors_into_its_buffers(monkeypatch):
     losses = np.concatenate([fit(*b).loss for b in batches])
     ref_model, ref_opt, _ = make("perceptron", "sgd_momentum")
     ref = np.concatenate([reference_steps(ref_model, ref_opt, 4, b["x"], y) for b, y in batches])
-    assert fit.mode == "fused"
+    assert_fused(fit)
     np.testing.assert_allclose(losses, ref, rtol=1e-6, atol=1e-7)
     assert_close_lists(params_of(model), params_of(ref_model))
 
@@ -831,7 +841,8 @@ def test_batches_of_many_shapes_each_get_a_program_past_dynamos_recompile_limit(
         np.testing.assert_allclose(
             losses, reference_steps(ref_model, ref_opt, 3, X[:rows], Y[:rows]), rtol=1e-6, atol=1e-7
         )
-    assert fit.mode == "fused" and fit.compiles == 3
+    assert_fused(fit)
+    assert fit.compiles == 3
     assert_close_lists(params_of(model), params_of(ref_model))
 
 
@@ -863,6 +874,45 @@ def test_fused_dropout_draws_the_masks_of_the_plain_loop_over_calls():
 
     fit, weight, rng = run(True)
     _, ref_weight, ref_rng = run(False)
-    assert fit.mode == "fused" and fit.chunk == 1
+    assert_fused(fit)
+    assert fit.chunk == 1
     torch.testing.assert_close(weight, ref_weight, rtol=0, atol=0)
     assert torch.equal(rng, ref_rng)
+
+
+def test_a_build_that_fails_outside_the_model_is_tried_again_and_a_fallback_shows_the_cause(
+    monkeypatch,
+):
+    """A compile that fails for a reason outside the model (here an OS error, as inductor's
+    cache lock timing out under concurrent processes raises) is tried once more, not turned
+    into a stepwise fit; a failure that stays is a fallback whose reason holds the whole
+    error chain, not its first line."""
+    from stepfuse.torch import _program
+
+    real, calls = _program.build_program, []
+
+    def flaky(spec, compile):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("backend failed:\n\nwrapped") from TimeoutError("cache lock")
+        return real(spec, compile)
+
+    monkeypatch.setattr(_program, "build_program", flaky)
+    model, optimizer, loss_fn = make("perceptron", "sgd")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback
+        fit = sf.fuse(loss_fn, optimizer, steps=2, chunk=1)
+        fit(X, Y)
+    assert_fused(fit)
+    assert len(calls) == 2
+
+    def broken(spec, compile):
+        raise RuntimeError("backend failed:\n\nsee below") from ValueError("the real cause")
+
+    monkeypatch.setattr(_program, "build_program", broken)
+    model, optimizer, loss_fn = make("perceptron", "sgd")
+    fit = sf.fuse(loss_fn, optimizer, steps=2, chunk=1)
+    with pytest.warns(RuntimeWarning, match="could not be built"):
+        fit(X, Y)
+    assert_mode(fit, "stepwise")
+    assert "see below" in fit.fallback_reason and "the real cause" in fit.fallback_reason

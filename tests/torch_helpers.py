@@ -169,3 +169,15 @@ def reset(model_name, model, optimizer):
         for p, q in zip(model.parameters(), fresh.parameters()):
             p.copy_(q)
     optimizer.state.clear()
+
+
+def assert_mode(fit, mode: str = "fused") -> None:
+    """``fit`` runs in ``mode``; a fit that fell back shows why (its whole reason)."""
+    assert fit.mode == mode, (
+        f"the fit runs {fit.mode!r}, expected {mode!r}; fallback_reason: {fit.fallback_reason}"
+    )
+
+
+def assert_fused(fit) -> None:
+    """``fit`` runs the fused program (else the failure shows its fallback reason)."""
+    assert_mode(fit, "fused")

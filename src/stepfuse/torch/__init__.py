@@ -7,9 +7,8 @@ and optimizer carry on with ordinary PyTorch afterwards.
 
 from ._fit import SUPPORTED_OPTIMIZERS as SUPPORTED_OPTIMIZERS
 from ._fit import BatchError as BatchError
+from ._fit import Fit as Fit
 from ._fit import FusedFit as FusedFit
 from ._fit import fuse as fuse
-
-Fit = FusedFit
 
 __all__ = ["SUPPORTED_OPTIMIZERS", "BatchError", "Fit", "FusedFit", "fuse"]

@@ -1,0 +1,161 @@
+"""The optimizer state's layout: snapshots, and the flat tensors the fused program carries.
+
+``torch.optim`` keeps a dict of tensors per parameter, created lazily by the first
+``step()``. The fused program carries them flattened in the order (group, key,
+parameter), which `StateLayout` defines once: `StateLayout.tensors` reads them in that
+order and `StateLayout.write_back` puts a program's results back in place, so the
+optimizer carries on with ordinary PyTorch afterwards.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._rules import scalar_dtype
+
+__all__ = ["StateLayout", "all_finite", "host_loss", "put_back", "restore", "snapshot"]
+
+Snapshot = dict[torch.Tensor, dict[str, Any]]
+
+
+def snapshot(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> Snapshot:
+    """A copy of ``opt.state`` of ``params`` (the stepwise mode and after errors)."""
+    snap = {}
+    for p in params:
+        if p in opt.state:
+            snap[p] = {
+                k: (v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+                for k, v in opt.state[p].items()
+            }
+    return snap
+
+
+def restore(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], snap: Snapshot) -> None:
+    """Make ``opt.state`` of ``params`` equal ``snap``, in place where tensors line up."""
+    for p in params:
+        if p not in snap:
+            if p in opt.state:
+                del opt.state[p]
+            continue
+        cur = opt.state[p]
+        for k in [k for k in cur if k not in snap[p]]:
+            del cur[k]
+        for k, v in snap[p].items():
+            old = cur.get(k)
+            if (
+                isinstance(v, torch.Tensor)
+                and isinstance(old, torch.Tensor)
+                and old.shape == v.shape
+                and old.dtype == v.dtype
+                and old.device == v.device
+            ):
+                old.copy_(v)
+            else:
+                cur[k] = v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+
+
+def put_back(held: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each ``(tensor, saved)`` pair's saved value back into the tensor."""
+    with torch.no_grad():
+        for b, v in held:
+            b.copy_(v)
+
+
+def host_loss(loss: torch.Tensor) -> np.generic:
+    """A loss as a NumPy scalar for the stepwise driver: float64 stays float64, any other
+    float (float16 and bfloat16 too, exactly) is a float32, as in the fused trace."""
+    return np.float64(loss.item()) if loss.dtype == torch.float64 else np.float32(loss.item())
+
+
+def all_finite(tensors: Iterable[Any]) -> bool:
+    """Whether every float tensor is finite (a sparse one: its stored values)."""
+    return all(
+        bool(torch.isfinite(_values(t)).all())
+        for t in tensors
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+    )
+
+
+def _values(t: torch.Tensor) -> torch.Tensor:
+    if t.layout == torch.strided:
+        return t
+    return (
+        t.coalesce().values() if t.is_sparse else t.values()
+    )  # COO (nn.Embedding(sparse=True)), CSR ...
+
+
+class StateLayout:
+    """The optimizer state of ``params`` flattened in the order (group, key, parameter).
+
+    ``keys_of(group)`` names the state keys of a group (the update rule's, `Rule.keys`).
+    Read from the optimizer as it is now at every call, so a changed group is seen.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: Sequence[torch.Tensor],
+        keys_of: Callable[[dict], tuple[str, ...]],
+    ):
+        self.optimizer, self.params, self.keys_of = optimizer, params, keys_of
+
+    def groups(self) -> list[tuple[dict, slice, tuple[str, ...]]]:
+        """[(group, slice of params, keys)] for the optimizer as it is now."""
+        out, start = [], 0
+        for g in self.optimizer.param_groups:
+            n = len(g["params"])
+            out.append((g, slice(start, start + n), self.keys_of(g)))
+            start += n
+        return out
+
+    def ready(self) -> bool:
+        """Whether torch has created every state tensor the layout names (its first step ran)."""
+        st = self.optimizer.state
+        return all(
+            k in st.get(p, {})
+            for _g, sl, keys in self.groups()
+            for p in self.params[sl]
+            for k in keys
+        )
+
+    def tensors(self, placeholder: bool) -> list[torch.Tensor]:
+        """The optimizer state flattened (group, key, param); zeros where not yet created
+        if ``placeholder`` (a program built before the first step), else an error."""
+        out = []
+        for _g, sl, keys in self.groups():
+            for k in keys:
+                for p in self.params[sl]:
+                    v = self.optimizer.state[p].get(k) if p in self.optimizer.state else None
+                    if v is None:
+                        if not placeholder:
+                            raise RuntimeError("optimizer state missing")
+                        v = (
+                            torch.tensor(0.0, dtype=scalar_dtype())
+                            if k == "step"
+                            else torch.zeros_like(p, memory_format=torch.preserve_format)
+                        )
+                    out.append(v)
+        return out
+
+    def write_back(self, params: Sequence[torch.Tensor], states: Sequence[torch.Tensor]) -> None:
+        """Copy a program's parameters and flat state into the model and optimizer, in place."""
+        with torch.no_grad():
+            for p, v in zip(self.params, params):
+                p.copy_(v)
+            i = 0
+            for _g, sl, keys in self.groups():
+                for k in keys:
+                    for p in self.params[sl]:
+                        cur = self.optimizer.state[p]
+                        if isinstance(cur.get(k), torch.Tensor):
+                            cur[k].copy_(states[i])
+                        else:
+                            cur[k] = (
+                                states[i].detach().to(p.device if k != "step" else "cpu").clone()
+                            )
+                        i += 1
