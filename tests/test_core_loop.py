@@ -26,6 +26,7 @@ class _NumpyOps:
     where = staticmethod(np.where)
     isfinite = staticmethod(np.isfinite)
     logical_not = staticmethod(np.logical_not)
+    equal = staticmethod(np.equal)
 
     @staticmethod
     def to_int(x):

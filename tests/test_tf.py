@@ -359,7 +359,7 @@ def test_nonfinite_proposed_update_is_refused_and_raise_mode(mode):
 
 @pytest.mark.parametrize("jit", [None, True, False], ids=["eager", "xla", "graph"])
 def test_finiteness_check_is_exact_for_large_values_mixed_dtypes_and_sparse_gradients(jit):
-    from stepfuse.tf._fit import _all_finite
+    from stepfuse.tf._loop import _all_finite
 
     big = tf.constant([3e38, 3e38, -3e38], tf.float32)  # finite, though their sum overflows
     half = tf.constant([6e4, 1.0], tf.float16)
@@ -460,7 +460,7 @@ def test_a_bar_alone_ends_chunks_at_multiples_of_every_paced_by_time(with_callba
     # first chunk (ending at `every`) the chunks grow to last ~_PUBLISH_SECONDS each;
     # a callback is owed every multiple of `every`. Every chunk but the last ends at one.
     from stepfuse._core import check_options
-    from stepfuse.tf._fit import _PUBLISH_SECONDS, _outer_loop
+    from stepfuse.tf._loop import _PUBLISH_SECONDS, _outer_loop
 
     n, every = 100_000, 10
     opts = check_options(
@@ -603,7 +603,7 @@ def test_xla_trace_is_gathered_in_small_chunks_with_the_losses_of_the_plain_loop
         results[jit, min_chunk] = fit(x, y, steps=230), values(variables)
     (one, v_one), (chained, v_chained), (plain, v_plain) = results.values()
     assert one.steps == chained.steps == plain.steps == 230
-    assert len(one.loss) == len(plain.loss) == -(-230 // record_every) > 2 * sf._fit._XLA_CHUNK
+    assert len(one.loss) == len(plain.loss) == -(-230 // record_every) > 2 * sf._loop._XLA_CHUNK
     np.testing.assert_array_equal(one.loss, chained.loss)
     np.testing.assert_allclose(one.loss, plain.loss, rtol=RTOL, atol=ATOL)
     assert np.all(np.isfinite(one.loss))

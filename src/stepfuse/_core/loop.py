@@ -25,6 +25,7 @@ The order of events of one step, which every loop keeps:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from fractions import Fraction
@@ -36,6 +37,7 @@ from .trace import Stop
 
 __all__ = [
     "Flow",
+    "FunctionOps",
     "HOST",
     "Ops",
     "advance",
@@ -54,8 +56,9 @@ __all__ = [
 class Ops(Protocol):
     """The few array functions the shared semantics need from a framework.
 
-    Everything else is Python's operators (``+``, ``//``, ``%``, ``<``, ``==``, ``&``,
-    ``|``), which the tensors of every framework overload.
+    Everything else is Python's operators (``+``, ``//``, ``%``, ``<``, ``<=``, ``&``,
+    ``|``), which the tensors of every framework overload (``==`` is `equal`: a TF1
+    graph's tensors compare by identity).
     """
 
     def where(self, cond: Any, a: Any, b: Any) -> Any:
@@ -70,6 +73,10 @@ class Ops(Protocol):
         """Elementwise ``not`` of a boolean (``~`` is not ``not`` for a Python bool)."""
         ...
 
+    def equal(self, a: Any, b: Any) -> Any:
+        """Elementwise ``a == b`` (a TF1 graph's ``==`` compares the tensors' identity)."""
+        ...
+
     def to_int(self, x: Any) -> Any:
         """A boolean as the loop's integer type (0 or 1)."""
         ...
@@ -81,6 +88,19 @@ class Ops(Protocol):
     def false(self) -> Any:
         """A boolean ``False`` the loop can combine with its own booleans."""
         ...
+
+
+@dataclasses.dataclass(frozen=True)
+class FunctionOps:
+    """An `Ops` made of a framework's functions (each backend builds one, with its own)."""
+
+    where: Callable[[Any, Any, Any], Any]
+    isfinite: Callable[[Any], Any]
+    logical_not: Callable[[Any], Any]
+    equal: Callable[[Any, Any], Any]
+    to_int: Callable[[Any], Any]
+    cast: Callable[[Any, np.dtype], Any]
+    false: Callable[[], Any]
 
 
 class _HostOps:
@@ -97,6 +117,10 @@ class _HostOps:
     @staticmethod
     def logical_not(x: Any) -> bool:
         return not x
+
+    @staticmethod
+    def equal(a: Any, b: Any) -> Any:
+        return a == b
 
     @staticmethod
     def to_int(x: Any) -> int:
@@ -210,17 +234,13 @@ def record_slot(i: Any, record_every: int, first: Any, spare: Any, ops: Ops = HO
     (a slot the trace never reads). ``first`` is the buffer's first slot's record index."""
     if record_every == 1:
         return i - first
-    return ops.where(i % record_every == 0, i // record_every - first, spare)
+    return ops.where(ops.equal(i % record_every, 0), i // record_every - first, spare)
 
 
 def _floor(x: Fraction, dtype: np.dtype) -> np.ndarray:
     """The largest value of ``dtype`` not above the exact number ``x``."""
     t = np.asarray(float(x), dtype)
     return np.nextafter(t, dtype.type(-np.inf)) if Fraction(float(t)) > x else t
-
-
-def _not_nan(d: Any) -> Any:
-    return d == d  # noqa: PLR0124 - NaN equals nothing
 
 
 def within_tol(ops: Ops, tol: float, dtype: Any) -> Met:
@@ -239,7 +259,12 @@ def within_tol(ops: Ops, tol: float, dtype: Any) -> Met:
     """
     dt = np.dtype(np.float64 if np.dtype(dtype) == np.float64 else np.float32)
     if tol == math.inf:
-        return lambda a, b: _not_nan(ops.cast(a, dt) - ops.cast(b, dt))  # abs(d) <= inf
+
+        def not_nan(a: Any, b: Any) -> Any:  # abs(a - b) <= inf: any difference but NaN
+            d = ops.cast(a, dt) - ops.cast(b, dt)
+            return ops.equal(d, d)
+
+        return not_nan
     lo = _floor(Fraction(tol), dt)  # lo <= tol < hi, neighbours in the dtype
     hi = np.nextafter(lo, dt.type(np.inf))
     room_lo = _floor(Fraction(tol) - Fraction(float(lo)), dt)  # >= 0
@@ -258,6 +283,14 @@ def within_tol(ops: Ops, tol: float, dtype: Any) -> Met:
         neg = s < 0
         s, e = ops.where(neg, -s, s), ops.where(neg, -e, e)
         # s < lo: s + e < lo's neighbour above s, at most lo. s > hi: s + e > hi > tol.
-        return (s < lo) | ((s == lo) & (e <= room_lo)) | ((s == hi) & (e <= room_hi))
+        eq = ops.equal
+        return (s < lo) | (eq(s, lo) & (e <= room_lo)) | (eq(s, hi) & (e <= room_hi))
 
+    if ops is HOST:  # NumPy scalars warn where a loss is inf or NaN: such a loss meets no tol
+
+        def host_met(a: Any, b: Any) -> Any:
+            with np.errstate(invalid="ignore", over="ignore"):
+                return met(a, b)
+
+        return host_met
     return met

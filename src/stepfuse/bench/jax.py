@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -48,7 +50,9 @@ def _jit(fn, compiler_options=None):
     return jax.jit(fn, **({"compiler_options": compiler_options} if compiler_options else {}))
 
 
-def fori_loops(grad_step, loss_step, compiler_options=None, capacity: int = 10_000):
+def fori_loops(
+    grad_step: Any, loss_step: Any, compiler_options: Any = None, capacity: int = 10_000
+) -> Any:
     """The hand-written ``lax.fori_loop`` contenders, jitted as ``run(params, opt_state, m)``:
     of `optax_steps`' gradient step; of its loss step keeping the last loss (nothing
     recorded), the floor for any loop that reports per-step losses; and of its loss step
@@ -85,26 +89,28 @@ OPTIMIZERS = {
 }
 
 
-def contenders(size: str, n: int, lr: float = 0.01, compiler_options=None, optimizer: str = "sgd"):
+def contenders(
+    size: str, n: int, lr: float = 0.01, compiler_options: Any = None, optimizer: str = "sgd"
+) -> Any:
     """Builders (see `stepfuse.bench._timing.measure`) for every JAX contender on ``size``
     with ``OPTIMIZERS[optimizer](lr)``; ``compiler_options`` (XLA options) go to every
     contender's ``jax.jit`` alike."""
     layers, x, y = problem(size)
     params = jax.tree_util.tree_map(jnp.asarray, layers)
     batch = (jnp.asarray(x), jnp.asarray(y))
-    optimizer = OPTIMIZERS[optimizer](lr)
+    tx = OPTIMIZERS[optimizer](lr)
     loss_fn = mlp_loss
-    one_step, loss_step = optax_steps(optimizer, batch, loss_fn)
+    one_step, loss_step = optax_steps(tx, batch, loss_fn)
     loops = fori_loops(one_step, loss_step, compiler_options, capacity=n)
 
     def stepfuse():
-        fit = sf.fuse(loss_fn, optimizer, steps=n, compiler_options=compiler_options)
+        fit = sf.fuse(loss_fn, tx, steps=n, compiler_options=compiler_options)
         state = fit.init(params)
         return lambda m: fit(state, *batch, steps=m)[1].loss
 
     def fori(name):
         def build():
-            run, s0 = loops[name], optimizer.init(params)
+            run, s0 = loops[name], tx.init(params)
             return lambda m: jax.block_until_ready(run(params, s0, m))
 
         return build
@@ -115,12 +121,12 @@ def contenders(size: str, n: int, lr: float = 0.01, compiler_options=None, optim
             return (p, s), value
 
         run = _jit(lambda p, s: jax.lax.scan(body, (p, s), None, length=n), compiler_options)
-        s0 = optimizer.init(params)
+        s0 = tx.init(params)
         return lambda m: jax.block_until_ready(run(params, s0))
 
     def jit_per_step():
         step = _jit(one_step, compiler_options)
-        s0 = optimizer.init(params)
+        s0 = tx.init(params)
 
         def run(m):
             c = (params, s0)

@@ -7,6 +7,8 @@ that makes one fit call and blocks until it is done.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..problems import SEED_LR, blobs, perceptron_init
 
 __all__ = ["seed_fit", "BACKENDS"]
@@ -73,6 +75,6 @@ def _torch(steps, options):
     return lambda steps=None: fit(x, y, steps=steps)
 
 
-def seed_fit(backend: str, steps: int, **options):
+def seed_fit(backend: str, steps: int, **options: Any) -> Any:
     """``run(steps=None) -> Trace`` for a fresh seed fit on ``backend`` (see module doc)."""
     return {"jax": _jax, "tf": _tf, "torch": _torch}[backend](steps, options)

@@ -7,6 +7,7 @@ softmax cross-entropy, SGD lr 0.01, full batch) with the Keras 3 optimizer's own
 from __future__ import annotations
 
 import os
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -65,7 +66,7 @@ def keras_model(layers):
     return model
 
 
-def contenders(size: str, n: int, lr: float = 0.01):
+def contenders(size: str, n: int, lr: float = 0.01) -> Any:
     """Builders (see `stepfuse.bench._timing.measure`) for every TF2 contender on ``size``."""
     layers, xn, yn = problem(size)
     x, y = tf.constant(xn), tf.constant(yn)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -70,7 +71,7 @@ def graph(layers, xn, yn, build):
     return sess, built, {x: xn, y: yn}, g
 
 
-def contenders(size: str, n: int, lr: float = 0.01):
+def contenders(size: str, n: int, lr: float = 0.01) -> Any:
     """Builders (see `stepfuse.bench._timing.measure`) for every TF1 contender on ``size``."""
     layers, xn, yn = problem(size)
 

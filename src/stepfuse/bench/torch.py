@@ -15,6 +15,7 @@ problems stays finite for far longer than the benchmark runs).
 from __future__ import annotations
 
 import os
+from typing import Any
 
 # Small machines: inductor's pool of compile workers would steal the CPU from the
 # contenders timed after a compile.
@@ -70,7 +71,7 @@ class MLP(nn.Module):
         return self.linears[-1](x)
 
 
-def data(size: str):
+def data(size: str) -> Any:
     """``(layers, x, y)`` of a size as torch tensors (labels int64, as cross_entropy wants)."""
     layers, xn, yn = problem(size)
     return layers, torch.from_numpy(xn), torch.from_numpy(yn).long()
@@ -86,10 +87,10 @@ def _cached(key, build):
     return _CACHE[key]
 
 
-def contenders(size: str, n: int, lr: float = 0.01, chunk: int | None = None):
+def contenders(size: str, n: int, lr: float = 0.01, chunk: int | None = None) -> Any:
     """Builders (see `stepfuse.bench._timing.measure`) for every PyTorch contender on ``size``."""
     layers, x, y = data(size)
-    kw = {} if chunk is None else {"chunk": chunk}
+    kw: dict[str, Any] = {} if chunk is None else {"chunk": chunk}
 
     def stepfuse():
         def build():
@@ -110,7 +111,7 @@ def contenders(size: str, n: int, lr: float = 0.01, chunk: int | None = None):
         def run(m):
             return fit(x, y, steps=m)  # returns a host Trace: blocks
 
-        run.fit = fit
+        run.fit = fit  # type: ignore[attr-defined]  # read by the benchmark scripts
         return run
 
     def eager():

@@ -7,40 +7,20 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from .._core.loop import Ops
+from .._core.loop import FunctionOps, Ops
 
 __all__ = ["OPS", "select"]
 
-
-class _JaxOps:
-    @staticmethod
-    def where(cond: Any, a: Any, b: Any) -> Any:
-        return jnp.where(cond, a, b)
-
-    @staticmethod
-    def isfinite(x: Any) -> Any:
-        return jnp.isfinite(x)
-
-    @staticmethod
-    def logical_not(x: Any) -> Any:
-        return jnp.logical_not(x)
-
-    @staticmethod
-    def to_int(x: Any) -> Any:
-        return jnp.asarray(x).astype(jnp.int32)
-
-    @staticmethod
-    def cast(x: Any, dtype: np.dtype) -> Any:
-        return jnp.asarray(x).astype(dtype)
-
-    @staticmethod
-    def false() -> Any:
-        return jnp.bool_(False)
-
-
-OPS: Ops = _JaxOps()
+OPS: Ops = FunctionOps(
+    where=jnp.where,
+    isfinite=jnp.isfinite,
+    logical_not=jnp.logical_not,
+    equal=jnp.equal,
+    to_int=lambda x: jnp.asarray(x).astype(jnp.int32),
+    cast=lambda x, dtype: jnp.asarray(x).astype(dtype),
+    false=lambda: jnp.bool_(False),
+)
 """`stepfuse._core.loop.Ops` over JAX arrays (traced or not)."""
 
 

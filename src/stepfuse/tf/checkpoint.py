@@ -30,7 +30,7 @@ import tensorflow as tf
 __all__ = ["make", "save", "restore", "saver"]
 
 
-def _check_fit(fit: Any, name: str = "fit"):
+def _check_fit(fit: Any, name: str = "fit") -> Any:
     from ._fit import Fit
 
     if not isinstance(fit, Fit):
@@ -41,7 +41,7 @@ def _check_fit(fit: Any, name: str = "fit"):
     return fit
 
 
-def make(fit) -> tf.train.Checkpoint:
+def make(fit: Any) -> tf.train.Checkpoint:
     """A ``tf.train.Checkpoint`` of ``fit``'s variables, optimizer and step count.
 
     The step count is a fresh int64 ``tf.Variable`` attached as ``checkpoint.step``;
@@ -55,14 +55,14 @@ def make(fit) -> tf.train.Checkpoint:
     )
 
 
-def save(path: str | os.PathLike[str], fit) -> str:
+def save(path: str | os.PathLike[str], fit: Any) -> str:
     """Write ``fit``'s state to the checkpoint prefix ``path``; returns the prefix written."""
     ckpt = make(fit)
     ckpt.step.assign(int(fit.step))
     return ckpt.write(os.fspath(path))
 
 
-def restore(path: str | os.PathLike[str], fit) -> None:
+def restore(path: str | os.PathLike[str], fit: Any) -> None:
     """Load the checkpoint prefix ``path`` into ``fit`` (variables, optimizer, step count).
 
     ``fit`` must be built the same way as the saved one (same variables and optimizer

@@ -9,7 +9,6 @@ chained copies of the step), kept as the baseline the tests and benchmarks compa
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -27,213 +26,55 @@ from .._core import (
     host_trace,
     run_stepwise,
 )
-from ._fit import _MIN_CHUNK, _all_finite, _check_loss, _fail, _inner_loop, _outer_loop
+from ._checks import _check_jit_compile, _fail
+from ._loop import _MIN_CHUNK, _inner_loop, _outer_loop
+from ._v1_graph import (
+    _check_graph_mode,
+    _prepare,
+    _step_ops,
+    _variable_reads,
+    _warn_stale_hyper_parameters,
+)
 
-__all__ = ["fuse", "Fused", "Stepwise", "copies_train_op"]
+__all__ = ["fuse", "Fit", "Fused", "Stepwise", "copies_train_op"]
 
 tf1 = tf.compat.v1
 _DEFAULT_CHUNK = 1024
 
 
-def _check_graph_mode() -> None:
-    if tf.executing_eagerly():
-        raise RuntimeError(
-            "stepfuse.tf.v1.fuse builds a TF1 graph but TensorFlow is executing eagerly. "
-            "Build inside `with tf.Graph().as_default():` (and run with "
-            "tf.compat.v1.Session(graph=...)), or call tf.compat.v1.disable_eager_execution() "
-            "first; for eager TF2 / Keras use stepfuse.tf.fuse."
-        )
+class Fit:
+    """What `fuse` builds in the graph: a `Fused` loop or a `Stepwise` reference.
+
+    Attributes:
+      mode: ``"fused"`` or ``"stepwise"``.
+      compiles: loop graphs built for this fit: 1 (one ``fuse`` call builds one graph that
+        serves every fed ``steps`` and every batch).
+      step: updates this object's ``run`` calls applied.
+      opts: the validated shared options.
+      loss: the loss at the current variables (the forward pass that created them).
+      var_list, state: the trained variables; those plus the optimizer's variables.
+    """
+
+    mode: str
+    compiles: int = 1
+    fallback_reason: str | None = None
+    step: int
+    opts: Options
+    loss: Any
+    var_list: list
+    state: list
+    optimizer: Any
+
+    def __init__(self, **kw: Any):
+        self.__dict__.update(kw)
+
+    def run(
+        self, sess: Any, feed_dict: dict | None = None, steps: int | None = None
+    ) -> Trace:  # pragma: no cover - each mode runs its own
+        raise NotImplementedError
 
 
-def _check_optimizer(optimizer) -> None:
-    if not isinstance(optimizer, tf1.train.Optimizer):
-        _fail(
-            TypeError,
-            "optimizer",
-            optimizer,
-            "a tf.compat.v1.train optimizer",
-            "Pass e.g. tf.compat.v1.train.GradientDescentOptimizer(0.01) or AdamOptimizer(); "
-            "Keras optimizers go to stepfuse.tf.fuse.",
-        )
-
-
-def _as_var(v):
-    """The ``tf.Variable`` behind ``v`` (Keras 3 variables wrap one in ``.value``)."""
-    if isinstance(v, tf.Variable):
-        return v
-    inner = getattr(v, "value", None)
-    if isinstance(inner, tf.Variable):
-        return inner
-    return v
-
-
-def _check_var_list(var_list, given, found: str = "") -> list:
-    """``found``: for ``var_list=None``, which variables that took (said in every error)."""
-    fix = found + (
-        "Pass var_list=None for the graph's trainable variables, or a non-empty list of "
-        "trainable floating-point variables that loss_fn reads."
-    )
-    if var_list is None or isinstance(var_list, (str, bytes)) or not hasattr(var_list, "__iter__"):
-        _fail(TypeError, "var_list", given, "a list of variables or None", fix)
-    var_list = [_as_var(v) for v in var_list]
-    if not var_list:
-        _fail(ValueError, "var_list", given, "a non-empty list (no trainable variables found)", fix)
-    for v in var_list:
-        if not isinstance(v, tf.Variable):
-            _fail(TypeError, "var_list", given, "a list of variables only", f"{v!r}: " + fix)
-        if not v.dtype.base_dtype.is_floating:
-            _fail(
-                TypeError,
-                "var_list",
-                given,
-                "floating-point variables",
-                f"{v.name} has dtype {v.dtype.base_dtype.name}. " + fix,
-            )
-        if _is_ref(v):
-            _fail(
-                TypeError,
-                "var_list",
-                given,
-                "resource variables",
-                f"{v.name} is a reference variable (dtype {v.dtype.name}), which the fused loop "
-                "cannot update. Call tf.compat.v1.enable_resource_variables() after "
-                "disable_v2_behavior() and before building the graph, or create the variables "
-                "with use_resource=True.",
-            )
-    return var_list
-
-
-def _is_ref(v) -> bool:
-    """A reference variable (``use_resource=False``, or after ``disable_v2_behavior``)."""
-    return v.dtype.name.endswith("_ref")
-
-
-def _handles_read(tensor) -> set:
-    """The names of the variable handles read in the computation of ``tensor``."""
-    return {t.name for op in _variable_reads(tensor) for t in op.inputs if t.dtype == tf.resource}
-
-
-def _variable_reads(tensor) -> list:
-    """The ops that read a variable in the computation of ``tensor`` (those taking a
-    resource handle: ReadVariableOp, ResourceGather ...)."""
-    reads, seen, todo = [], set(), [tensor.op]
-    while todo:
-        op = todo.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        if any(t.dtype == tf.resource for t in op.inputs):
-            reads.append(op)
-        todo.extend(t.op for t in op.inputs)
-    return reads
-
-
-def _warn_stale_hyper_parameters(optimizer, state) -> None:
-    """Warn where a hyper-parameter of ``optimizer`` is a tensor computed from a variable
-    the loop changes (a learning rate decaying with the global step): the loop reads it
-    once per run, where one ``minimize`` per run would read it at every step."""
-    handles = {v.handle.name for v in state if getattr(v, "handle", None) is not None}
-    for name, value in sorted(vars(optimizer).items()):
-        if not isinstance(value, tf.Tensor) or value.dtype == tf.resource:
-            continue
-        if _handles_read(value) & handles:
-            warnings.warn(
-                f"stepfuse.tf.v1: the optimizer's {name.lstrip('_')} is a tensor computed from a "
-                "variable the loop changes (the global step?): it is read once per run, so every "
-                "step of a run uses the same value. Give the optimizer a callable instead, e.g. "
-                "learning_rate=lambda: tf1.train.exponential_decay(..., global_step, ...), which it "
-                "evaluates at every step.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-
-
-def _reuse_scope():
-    return tf1.variable_scope(tf1.get_variable_scope(), reuse=True)
-
-
-def _prepare(loss_fn, optimizer, var_list):
-    """Checks, the first (variable-creating) forward pass, the var list and the slots."""
-    _check_graph_mode()
-    if not callable(loss_fn):
-        _fail(
-            TypeError,
-            "loss_fn",
-            loss_fn,
-            "callable as loss_fn() -> scalar tensor",
-            "Pass a function that builds the loss from placeholders and variables.",
-        )
-    _check_optimizer(optimizer)
-    loss0 = _check_loss(loss_fn(), loss_fn)  # creates the variables (tf1.get_variable, layers)
-    given = var_list
-    if var_list is None:
-        # As optimizer.minimize(loss): the trainable variables the loss reads (another
-        # model's in the same graph are not this loss's).
-        read = _handles_read(loss0)
-        everything = tf1.trainable_variables()
-        var_list = [
-            v
-            for v in everything
-            if _is_ref(v)  # refused below, by name
-            or (getattr(v, "handle", None) is not None and v.handle.name in read)
-        ]
-        resource = [v for v in var_list if not _is_ref(v)]
-        if (
-            resource
-        ):  # and, as minimize, not those the loss reads without a gradient (stop_gradient ...)
-            grads = tf.gradients(loss0, resource, unconnected_gradients="none")
-            dropped = {id(v) for v, g in zip(resource, grads) if g is None}
-            var_list = [v for v in var_list if id(v) not in dropped]
-        found = (
-            f"var_list=None took the trainable variables the loss reads: "
-            f"{[v.name for v in var_list]} of {[v.name for v in everything]}. "
-        )
-    else:
-        found = ""
-    var_list = _check_var_list(var_list, given, found)
-    # Slot and non-slot variables (momentum, Adam moments and beta powers) are created
-    # here, outside the loop, so the loop body only reads and writes them.
-    create = getattr(optimizer, "_create_slots", None)
-    if create is not None:
-        with tf1.init_scope():
-            create(var_list)
-    ids = {id(v) for v in var_list}
-    state = list(var_list) + [v for v in optimizer.variables() if id(v) not in ids]
-    return loss0, var_list, state
-
-
-def _step_ops(loss_fn, optimizer, var_list, state, global_step=None):
-    """One proposed step, ops ordered explicitly: ``(loss, snapshot, new, ok)``, the state
-    before and after the optimizer's update and whether loss, gradients and new state are
-    all finite (the caller keeps or restores the update)."""
-    with _reuse_scope():
-        loss = _check_loss(loss_fn(), loss_fn)
-        gvs = optimizer.compute_gradients(loss, var_list)
-    missing = [v.name for g, v in gvs if g is None]
-    if missing:
-        _fail(
-            ValueError,
-            "loss_fn",
-            loss_fn,
-            "a loss that depends on every variable in var_list",
-            f"No gradient reaches {missing}: use those variables in loss_fn or leave them "
-            "out of `var_list`. (If loss_fn makes its variables with tf.Variable or a new Keras "
-            "layer on each call, make them once before fuse, outside loss_fn: loss_fn is called "
-            "again inside the loop, where only tf1.get_variable reuses what the first call made.)",
-        )
-    grads = [g for g, _ in gvs]
-    with tf.control_dependencies(
-        [loss] + [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
-    ):
-        snapshot = [tf.identity(v.read_value()) for v in state]
-    with tf.control_dependencies(snapshot + [loss]):
-        apply = optimizer.apply_gradients(gvs, global_step=global_step)
-    with tf.control_dependencies([apply]):
-        new = [tf.identity(v.read_value()) for v in state]
-    return loss, snapshot, new, _all_finite([loss, *grads, *new])
-
-
-class Fused:
+class Fused(Fit):
     """The fused loop built by `fuse` (mode ``"fused"``): one ``sess.run`` runs the steps.
 
     Attributes:
@@ -250,23 +91,31 @@ class Fused:
         buffer whose first ``count`` entries are ``losses``, then ``count``,
         ``steps_taken`` and ``stop``: as int32 bits in float32 (on the host: ``count, taken,
         stop = packed[-3:].view(np.int32)``), or as float64 values for a float64 loss.
-      loss: the loss at the current variables (the forward pass that created them).
-      var_list, state: the trained variables; those plus the optimizer's variables.
     """
 
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
+    mode = "fused"
+    train_op: Any
+    losses: Any
+    steps_taken: Any
+    stop: Any
+    steps: Any
+    packed: Any
+    jit_compile: bool
+    chunk: int
+    counter: Any
+    notes: dict[str, Any]
+    max_steps: int | None
 
-    def run(self, sess, feed_dict: dict | None = None, steps: int | None = None) -> Trace:
+    def run(self, sess: Any, feed_dict: dict | None = None, steps: int | None = None) -> Trace:
         """Run the loop once in ``sess`` and return the host `stepfuse.Trace`."""
         feed = dict(feed_dict or {})
         if steps is not None and not (
             type(steps) is int and steps == self.opts.steps and self.max_steps
         ):
             n = _check_run_steps(steps, self.max_steps)
-            if self.max_steps is None or n != self.opts.steps:  # a feed costs ~45 us a run
+            if self.max_steps is None or n != self.opts.steps:  # a feed costs time each run
                 feed[self.steps] = n
-        # One fetch: each fetched tensor costs ~10-20 us of sess.run here (see `packed`).
+        # One fetch: each fetched tensor costs sess.run time (see `packed`).
         if self.counter is None:
             packed = sess.run(self.packed, feed)
         else:
@@ -294,18 +143,24 @@ class Fused:
         )
 
 
-class Stepwise:
+class Stepwise(Fit):
     """The stepwise reference (mode ``"stepwise"``): one guarded step per ``sess.run``.
 
     ``run(sess, feed_dict, steps)`` drives single steps with the shared driver
-    (`stepfuse._loop.run_stepwise`): each step proposes the update (applies it, reads the
-    new state, restores the old one), then commits it only if everything was finite.
+    (`stepfuse._core.stepwise.run_stepwise`): each step proposes the update (applies it,
+    reads the new state, restores the old one), then commits it only if everything was
+    finite.
     """
 
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
+    mode = "stepwise"
+    loss_t: Any
+    finite: Any
+    new: list
+    placeholders: list
+    commit_op: Any
+    steps_tensor: Any
 
-    def run(self, sess, feed_dict: dict | None = None, steps: int | None = None) -> Trace:
+    def run(self, sess: Any, feed_dict: dict | None = None, steps: int | None = None) -> Trace:
         """Run ``steps`` (default: the built ``steps``; a tensor ``steps`` is evaluated
         with ``feed_dict``) single steps; returns the `Trace`."""
         feed = dict(feed_dict or {})
@@ -330,7 +185,7 @@ class Stepwise:
         return finish(trace, self.opts, start)
 
 
-def _check_run_steps(steps, most: int | None = None) -> int:
+def _check_run_steps(steps: Any, most: int | None = None) -> int:
     n = check_steps(steps)
     if most is not None and n > most:
         _fail(
@@ -346,9 +201,9 @@ def _check_run_steps(steps, most: int | None = None) -> int:
 
 def fuse(
     loss_fn: Callable[[], Any],
-    optimizer,
+    optimizer: Any,
     *,
-    steps,
+    steps: Any,
     var_list: list | None = None,
     tol: float | None = None,
     record_every: int = 1,
@@ -356,10 +211,10 @@ def fuse(
     jit_compile: bool = True,
     chunk: int | None = None,
     on_nonfinite: str = "stop",
-    global_step=None,
+    global_step: Any = None,
     callback: Callable[[int, float], Any] | None = None,
     every: int | None = None,
-):
+) -> Any:
     """Build ``steps`` TF1 optimizer updates that run inside one ``sess.run``.
 
     Call in graph mode (``tf.compat.v1.disable_eager_execution()``, or inside
@@ -395,9 +250,9 @@ def fuse(
         rate that decays with it must be given as a callable, e.g. ``learning_rate=lambda:
         tf1.train.exponential_decay(0.5, global_step, 100, 0.9)``, which the optimizer
         evaluates at every step; a tensor is read once per run (a warning says so).
-      callback, every: ``callback(step, loss)`` at every ``every``-th update (``step``
-        counts the updates this object applied, over runs; ``loss`` is that update's).
-        The loop then runs as chunks of the compiled loop chained in a graph loop, which
+      callback: ``callback(step, loss)`` at every ``every``-th update (``step`` counts
+        the updates this object applied, over runs; ``loss`` is that update's).
+      every: how often ``callback`` fires. With a callback the loop then runs as chunks of the compiled loop chained in a graph loop, which
         calls the host between them (``tf.numpy_function``), also for an int ``steps``;
         ``run`` re-raises a callback's exception as it is, and a bare ``sess.run`` raises
         TF's error wrapping it.
@@ -429,14 +284,7 @@ def fuse(
       ...     losses, _ = sess.run([fused.losses, fused.train_op], {x: xs, y: ys})  # 3 steps
     """
     steps_given = steps
-    if not isinstance(jit_compile, bool):
-        _fail(
-            TypeError,
-            "jit_compile",
-            jit_compile,
-            "True or False",
-            "Pass jit_compile=False to run the loop without XLA.",
-        )
+    _check_jit_compile(jit_compile)
     if isinstance(steps, (tf.Tensor, tf.Variable)):
         if not steps.dtype.base_dtype.is_integer or (steps.shape.rank not in (None, 0)):
             _fail(
@@ -537,7 +385,10 @@ def fuse(
         )
         return tf.concat([buf, pack(tf.stack([count, applied, stop]))], 0)
 
-    notes = {"error": None, "step": None}  # from the host side of a callback (see `Fused.run`)
+    notes: dict[str, Any] = {
+        "error": None,
+        "step": None,
+    }  # from the host side of a callback (see `Fused.run`)
     counter = None
     if opts.notify:  # the updates applied over runs, in the graph: a callback's step numbers
         with tf1.init_scope():
@@ -546,6 +397,7 @@ def fuse(
     def notify(step, loss):
         notes["step"] = int(step)
         try:
+            assert opts.callback is not None  # notify is built for a callback only
             opts.callback(int(step), float(loss))
         except BaseException as e:  # noqa: BLE001 - `run` re-raises it as it is
             notes["error"] = e
@@ -577,8 +429,8 @@ def fuse(
             tail = pack(tf.stack([tf.size(losses), applied, stop]))
             packed = tf.concat([losses, tail], 0, name="packed")
         else:
-            # At most `chunk` steps per run and no graph loop around the call (measured:
-            # ~50 us less per sess.run, about what the one-step graph of the seed costs).
+            # At most `chunk` steps per run and no graph loop around the call: less per
+            # sess.run, about what the one-step graph of the seed costs (docs/internals/tf.md).
             fits = tf.debugging.Assert(
                 tf.logical_and(n >= 1, n <= chunk),
                 [
@@ -589,9 +441,8 @@ def fuse(
                 ],
             )
             whole_run = tf.function(whole_run_py, jit_compile=bool(jit_compile), autograph=False)
-            # `run` fetches the call's own output. The seed, 1 step a run: ~199 us when
-            # `run` fetched [losses, steps_taken, stop, train_op], ~174 us for one tensor
-            # packed by graph ops after the call, ~10 us less again packed inside it.
+            # `run` fetches the call's own output, packed inside the call: cheaper than
+            # fetching four tensors, or one packed by graph ops after it (docs/internals/tf.md).
             with tf.control_dependencies([fits]):
                 packed = whole_run(n)
             ints = tf.cast(packed[-3:], tf.int32) if wide else tf.bitcast(packed[-3:], tf.int32)
@@ -620,8 +471,15 @@ def fuse(
 
 
 def _build_stepwise(
-    loss_fn, optimizer, var_list, state, opts: Options, loss0, steps_tensor=None, global_step=None
-):
+    loss_fn: Any,
+    optimizer: Any,
+    var_list: Any,
+    state: Any,
+    opts: Options,
+    loss0: Any,
+    steps_tensor: Any = None,
+    global_step: Any = None,
+) -> Any:
     loss, snapshot, new, finite = _step_ops(loss_fn, optimizer, var_list, state, global_step)
     with tf.control_dependencies(new + [finite, loss]):
         restore = tf.group(*[v.assign(old) for v, old in zip(state, snapshot)])
@@ -646,7 +504,9 @@ def _build_stepwise(
     )
 
 
-def copies_train_op(loss_fn: Callable[[], Any], optimizer, n: int, var_list=None):
+def copies_train_op(
+    loss_fn: Callable[[], Any], optimizer: Any, n: int, var_list: Any = None
+) -> Any:
     """The seed's accepted answer: ``n`` chained copies of loss -> gradients -> update.
 
     Each copy's loss is built under a control dependency on the previous copy's update,
@@ -658,7 +518,8 @@ def copies_train_op(loss_fn: Callable[[], Any], optimizer, n: int, var_list=None
       >>> train_op, losses = copies_train_op(loss_fn, tf1.train.GradientDescentOptimizer(0.01), 3)
     """
     _check_graph_mode()
-    prev, losses = [], []
+    prev: list[Any] = []
+    losses: list[Any] = []
     with tf1.variable_scope(tf1.get_variable_scope(), reuse=tf1.AUTO_REUSE):
         for _ in range(n):
             with tf.control_dependencies(prev):

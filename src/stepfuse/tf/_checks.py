@@ -1,0 +1,192 @@
+"""Checks of what a TF2 fit is given (optimizer, variables, batch, loss), and the backend's
+argument errors, shared by `stepfuse.tf` and `stepfuse.tf.v1`."""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+import keras
+import tensorflow as tf
+
+from .._core import fail as _options_fail
+
+
+class _ArgumentError:
+    """Marks stepfuse's own argument errors (so they are not re-wrapped as batch errors)."""
+
+
+class _ArgTypeError(TypeError, _ArgumentError):
+    pass
+
+
+class _ArgValueError(ValueError, _ArgumentError):
+    pass
+
+
+def _fail(exc: type[BaseException], name: str, value: Any, want: str, fix: str) -> NoReturn:
+    """The shared argument error (`stepfuse._options._fail`), marked as stepfuse's own."""
+    marks: dict[type[BaseException], type[BaseException]] = {
+        TypeError: _ArgTypeError,
+        ValueError: _ArgValueError,
+    }
+    marked = marks.get(exc, exc)
+    _options_fail(marked, name, value, want, fix)
+
+
+def _check_jit_compile(jit_compile: Any) -> None:
+    if not isinstance(jit_compile, bool):
+        _fail(
+            TypeError,
+            "jit_compile",
+            jit_compile,
+            "True or False",
+            "Pass jit_compile=False to run the loop without XLA.",
+        )
+
+
+def _tf_var(v):
+    """The ``tf.Variable`` behind a Keras 3 variable (or ``v`` itself)."""
+    return v.value if isinstance(v, keras.Variable) else v
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        _fail(
+            TypeError,
+            "optimizer",
+            optimizer,
+            "a Keras 3 optimizer",
+            "Pass e.g. keras.optimizers.SGD(0.01) or keras.optimizers.Adam(1e-3); "
+            "optax optimizers go to stepfuse.jax, torch.optim ones to stepfuse.torch, "
+            "tf.compat.v1.train ones to stepfuse.tf.v1.",
+        )
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        _fail(
+            TypeError,
+            "optimizer",
+            optimizer,
+            "an optimizer that is not a LossScaleOptimizer",
+            "A fused loop stops at a non-finite gradient and never applies it (Stop.NONFINITE), "
+            "while a LossScaleOptimizer needs those steps to lower its scale, so it would never "
+            "train. Use mixed_bfloat16 (no loss scaling needed) or float32, with the inner "
+            "optimizer.",
+        )
+
+
+def _check_variables(variables: Any) -> list:
+    fix = (
+        "Pass a non-empty list of trainable floating-point tf.Variable / keras.Variable, "
+        "a tf.Module, or a built Keras model (e.g. model.trainable_variables)."
+    )
+    given = variables
+    if hasattr(variables, "trainable_variables") and not isinstance(variables, (list, tuple)):
+        variables = list(variables.trainable_variables)
+        if not variables:
+            _fail(
+                ValueError,
+                "variables",
+                given,
+                "a module/model with trainable variables",
+                "Build the model first (call it once on a batch or give it an Input) "
+                "and make sure some layers are trainable.",
+            )
+    elif isinstance(variables, (tf.Variable, keras.Variable)):
+        variables = [variables]
+    elif isinstance(variables, (list, tuple)):
+        variables = list(variables)
+    else:
+        _fail(
+            TypeError, "variables", given, "a list of variables, a tf.Module or a Keras model", fix
+        )
+    if not variables:
+        _fail(ValueError, "variables", given, "a non-empty list of variables", fix)
+    seen = set()
+    for v in variables:
+        if not isinstance(v, (tf.Variable, keras.Variable)):
+            _fail(
+                TypeError,
+                "variables",
+                given,
+                "a list of tf.Variable / keras.Variable only",
+                f"{v!r} is not a variable. " + fix,
+            )
+        if not v.trainable:
+            _fail(
+                ValueError,
+                "variables",
+                given,
+                "trainable variables",
+                f"{getattr(v, 'name', v)!r} has trainable=False. " + fix,
+            )
+        if not tf.as_dtype(v.dtype).is_floating:
+            _fail(
+                TypeError,
+                "variables",
+                given,
+                "floating-point variables",
+                f"{getattr(v, 'name', v)!r} has dtype {tf.as_dtype(v.dtype).name}. " + fix,
+            )
+        if id(v) in seen:
+            _fail(ValueError, "variables", given, "a list without duplicates", fix)
+        seen.add(id(v))
+    return variables
+
+
+def _flat_batch(batch):
+    """``(tensors, structure)``: the batch's tensors in `tf.nest` order (a batch argument
+    may be a dict, tuple or list of them) and its nesting with the tensors as 0s."""
+    if all(isinstance(b, tf.Tensor) for b in batch):  # the usual case, and the cheapest
+        return batch, (0,) * len(batch)
+    flat = []
+    for i, b in enumerate(tf.nest.flatten(batch)):
+        if isinstance(b, (tf.SparseTensor, tf.RaggedTensor)):
+            raise TypeError(
+                f"`batch` must hold dense tensors; got a {type(b).__name__} ({b.dtype.name}, shape "
+                f"{list(b.shape)}) as tensor {i}. Pass it dense (tf.sparse.to_dense / .to_tensor()), "
+                "or its component tensors, and rebuild it inside loss_fn."
+            )
+        try:
+            flat.append(tf.convert_to_tensor(b))
+        except (TypeError, ValueError) as e:
+            raise TypeError(
+                f"`batch` must hold tensors (or arrays, numbers), also inside dicts, tuples and "
+                f"lists; tensor {i} of it is {type(b).__name__}, which TensorFlow cannot convert "
+                f"({e}). Pass the values loss_fn needs as tensors."
+            ) from None
+    return tuple(flat), tf.nest.map_structure(lambda _: 0, batch)
+
+
+def _learning_rate_of(optimizer):
+    """The object a Keras optimizer reads its learning rate from (a variable, a schedule or
+    a callable), which ``optimizer.learning_rate = ...`` may replace."""
+    return getattr(optimizer, "_learning_rate", None)
+
+
+def _check_loss(loss: Any, loss_fn: Any) -> Any:
+    try:
+        t = tf.convert_to_tensor(loss)
+    except (TypeError, ValueError):
+        _fail(
+            TypeError,
+            "loss_fn",
+            loss_fn,
+            "a function returning a scalar float tensor",
+            f"It returned {loss!r}; return e.g. tf.reduce_mean(...).",
+        )
+    if t.shape.rank != 0:
+        _fail(
+            ValueError,
+            "loss_fn",
+            loss_fn,
+            "a function returning a scalar (shape ())",
+            f"It returned a tensor of shape {t.shape}; reduce it, e.g. tf.reduce_mean(loss).",
+        )
+    if not t.dtype.is_floating:
+        _fail(
+            TypeError,
+            "loss_fn",
+            loss_fn,
+            "a function returning a floating-point scalar",
+            f"It returned dtype {t.dtype.name}; cast it, e.g. tf.cast(loss, tf.float32).",
+        )
+    return t

@@ -1,0 +1,243 @@
+"""The graph loops both TF backends run: a call's steps as an (XLA-compiled) inner
+``tf.while_loop`` of guarded steps, chained by an outer loop that reaches the host
+between chunks; and the finite check of one step. Shared by `stepfuse.tf` (TF2) and
+`stepfuse.tf.v1` (TF1)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from .._core import Flow, Options, ceil_div, loop, next_multiple
+from ._ops import OPS
+
+_INT = tf.int32
+
+
+def _all_finite(tensors: Any) -> tf.Tensor:
+    """Whether every floating-point value in ``tensors`` is finite, as one reduction.
+
+    ``x * 0`` is 0 for a finite ``x`` and NaN for inf or NaN, so the sum of ``x * 0`` over
+    all values is finite exactly when each value is (a plain sum could overflow). One sum
+    over the flattened, concatenated tensors is five ops whatever their number, against
+    three per tensor for ``reduce_all(is_finite(t))`` (measured: docs/internals/tf.md).
+    """
+    flat = []
+    for t in tensors:
+        if isinstance(t, tf.IndexedSlices):
+            t = t.values
+        if t is not None and t.dtype.base_dtype.is_floating:
+            flat.append(t)
+    if not flat:
+        return tf.constant(True)
+    dtype = tf.float64 if any(t.dtype.base_dtype == tf.float64 for t in flat) else tf.float32
+    flat = tf.concat([tf.reshape(tf.cast(t, dtype), [-1]) for t in flat], 0)
+    return tf.math.is_finite(tf.reduce_sum(flat * 0))
+
+
+_MIN_CHUNK = 256  # stepfuse.tf.v1's default for an int `steps` (its runs are one XLA call each)
+
+# A progress bar alone (no callback) is drawn by a host thread (see `Notifier.watch`), so
+# the loop publishes at a multiple of `every` once at least this long has passed, judged
+# by the last chunk's speed (the first chunk's by the previous call's). Each publication
+# ends an XLA launch, and a launch costs wall time, mostly waiting for threads to wake;
+# 0.25 s keeps that a small fraction of a long call (docs/internals/tf.md).
+_PUBLISH_SECONDS = 0.25
+
+
+_XLA_CHUNK = 32  # losses an XLA inner loop keeps on the side between copies into the trace
+
+
+def _inner_loop(
+    step: Any,
+    m: Any,
+    i0: Any,
+    prev: Any,
+    opts: Options,
+    cap: int,
+    xla: bool = False,
+    dtype: Any = tf.float32,
+) -> Any:
+    """At most ``m`` guarded steps (the part of a call that XLA compiles).
+
+    ``step()`` evaluates the loss and gradients at the current variables and applies the
+    update unless something is non-finite; it returns ``(loss, ok)``. ``i0`` is the index
+    within the call of the first step, ``prev`` the previous loss (for ``tol``). The loop
+    ends early on tol or on a refused update. Returns the recorded losses (a buffer whose
+    first ``count`` entries are this loop's: at least ``cap`` long under XLA, ``count``
+    without), steps evaluated and applied, the stop code and the last loss.
+
+    Without XLA each loss goes straight into a TensorArray. Under XLA a TensorArray
+    write is an update of the whole buffer, which XLA:CPU copies at every step (a large
+    part of a small model's step); there the losses of
+    ``_XLA_CHUNK`` recorded steps gather in a small buffer, written into the trace once.
+    The losses are kept as ``dtype``: float64 for a float64 loss, whose ``tol`` compares
+    the losses themselves (a float32 copy rounds away differences of ~1e-7 relative).
+    """
+    r = opts.record_every
+    first_slot = ceil_div(i0, r)  # the record index of this loop's first recorded loss
+    # `tol` is checked on the carried losses at the loop's test (see `loop.converged`), in
+    # float64, where the recorded losses of every dtype are exact.
+    met = None if opts.tol is None else loop.within_tol(OPS, opts.tol, np.float64)
+    nan32, nan64 = tf.constant(math.nan, tf.float32), tf.constant(math.nan, tf.float64)
+
+    def guarded(flow: Flow) -> tuple[Any, Flow]:
+        """One step at call index ``i0 + flow.i``: (its loss as `dtype`, the next Flow)."""
+        loss, ok = step()
+        kept = tf.cast(loss, dtype)
+        probe = tf.where(ok, tf.constant(0, tf.float32), nan32)
+        return kept, loop.advance(flow, tf.cast(kept, tf.float64), probe)
+
+    # A Flow's fields as loop variables (tf.while_loop takes no None: `before` is carried
+    # with `tol` only) and back.
+    def flat(flow: Flow) -> tuple:
+        return tuple(x for x in flow if x is not None)
+
+    def unflat(values: Any) -> Flow:
+        i, probe, last, *before = values
+        return Flow(i, probe, last, before[0] if before else None)
+
+    def running(values: Any) -> Any:
+        return loop.running(OPS, unflat(values), m, met)
+
+    flow0 = Flow(
+        tf.constant(0, _INT), tf.constant(0, tf.float32), prev, nan64 if met is not None else None
+    )
+    if not xla:
+
+        def body(values: Any, buf: Any) -> Any:
+            flow = unflat(values)
+            kept, new = guarded(flow)
+            i = i0 + flow.i
+            if r == 1:
+                buf = buf.write(flow.i, kept)
+            else:
+                slot = loop.record_slot(i, r, first_slot, -1, OPS)
+                buf = tf.cond(slot >= 0, lambda: buf.write(slot, kept), lambda: buf)
+            return flat(new), buf
+
+        # Sized by what is written: stacking a TensorArray of `cap` entries costs time
+        # however few steps ran.
+        buf = tf.TensorArray(dtype, size=0, dynamic_size=True, element_shape=[])
+        values, buf = tf.while_loop(
+            lambda v, b: running(v), body, (flat(flow0), buf), maximum_iterations=m
+        )
+        buf = buf.stack()
+    else:
+        C = _XLA_CHUNK
+        where = tf.range(C, dtype=_INT)
+
+        def chunk(values: Any, chunks: Any, k: Any) -> Any:
+            """The steps whose losses fill slots [k C, (k + 1) C) of the buffer."""
+            end = tf.minimum(m, ((k + 1) * C + first_slot) * r - i0)
+
+            def body(values: Any, small: Any) -> Any:
+                flow = unflat(values)
+                kept, new = guarded(flow)
+                slot = loop.record_slot(i0 + flow.i, r, first_slot + k * C, C, OPS)
+                return flat(new), tf.where(tf.equal(where, slot), kept, small)
+
+            values, small = tf.while_loop(
+                lambda v, b: tf.logical_and(running(v), unflat(v).i < end),
+                body,
+                (values, tf.fill([C], tf.constant(math.nan, dtype))),
+            )
+            return values, chunks.write(k, small), k + 1
+
+        chunks = tf.TensorArray(dtype, size=ceil_div(cap, C), element_shape=[C])
+        values, chunks, _ = tf.while_loop(
+            lambda v, c, k: running(v), chunk, (flat(flow0), chunks, tf.constant(0, _INT))
+        )
+        buf = tf.reshape(chunks.stack(), [-1])
+    flow = unflat(values)
+    count = ceil_div(i0 + flow.i, r) - first_slot
+    return (
+        buf,
+        count,
+        flow.i,
+        loop.applied(OPS, flow),
+        loop.stop_code(OPS, flow, met),
+        flow.last,
+    )
+
+
+def _outer_loop(
+    inner: Any,
+    n: Any,
+    step0: Any,
+    opts: Options,
+    chunk: int,
+    notify: Any = None,
+    publish: Any = None,
+    speed: Any = None,
+    dtype: Any = tf.float32,
+    count: Any = None,
+) -> Any:
+    """A whole call: ``inner`` chunks of at most ``chunk`` steps until ``n`` or a stop.
+
+    Runs outside XLA, so the trace can grow with ``n`` (a TensorArray of the chunks'
+    recorded losses) and notifications reach the host (``notify(step, loss)`` through
+    ``tf.numpy_function``, cheaper per call than ``tf.py_function``) between
+    chunks. With ``publish`` (a float64 variable of 2) each chunk writes ``(step, loss)``
+    there instead, for a host thread to read: the loop never waits for Python, and a
+    chunk runs to the first multiple of `every` at least ``_PUBLISH_SECONDS`` away at the
+    last chunk's speed; the first chunk at ``speed`` (steps per second, a float64 scalar:
+    the previous call's), or when that is 0 to the first multiple. ``count`` (an int64
+    variable) gets each chunk's applied updates before its notification, so a callback
+    that raises leaves it right.
+    Returns ``(losses, applied, stop, last loss)``.
+    """
+
+    def cond(i, applied, stop, prev, ta, k, ticks, clock):
+        return tf.logical_and(i < n, tf.equal(stop, 0))
+
+    def body(i, applied, stop, prev, ta, k, ticks, clock):
+        m = tf.minimum(tf.constant(chunk, _INT), n - i)
+        if opts.notify:  # a chunk ends at a multiple of `every` (the XLA loop needn't check)
+            gstep = step0 + tf.cast(applied, tf.int64)
+            ahead = tf.constant(1, tf.int64)
+            if publish is not None:  # a bar alone: see _PUBLISH_SECONDS
+                ahead = tf.maximum(ahead, tf.cast(clock[1] * _PUBLISH_SECONDS, tf.int64))
+            end = next_multiple(gstep, opts.every, ahead)
+            m = tf.minimum(m, tf.cast(end - gstep, _INT))
+        buf, kept, j, a, stop, prev = inner(m, i, prev)
+        ta = ta.write(k, buf[:kept])
+        applied = applied + a
+        if count is not None:
+            with tf.control_dependencies([count.assign_add(tf.cast(a, tf.int64))]):
+                a = tf.identity(a)
+        gstep = step0 + tf.cast(applied, tf.int64)
+        if publish is not None:
+            publish.assign(tf.stack([tf.cast(gstep, tf.float64), prev]))
+            with tf.control_dependencies([j]):
+                t1 = tf.timestamp()
+            clock = tf.stack([t1, tf.cast(j, tf.float64) / tf.maximum(t1 - clock[0], 1e-9)])
+        if notify is not None:
+            due = tf.logical_and(a > 0, tf.equal(gstep % opts.every, 0))  # (after `count`)
+            ticks = tf.cond(
+                due,
+                lambda: ticks + tf.reshape(tf.numpy_function(notify, [gstep, prev], _INT), []),
+                lambda: ticks,
+            )
+            with tf.control_dependencies([ticks]):  # a TF1 graph would prune the unread count
+                j = tf.identity(j)
+        return i + j, applied, stop, prev, ta, k + 1, ticks, clock
+
+    ta = tf.TensorArray(dtype, size=0, dynamic_size=True, infer_shape=False, element_shape=[None])
+    # (time the last chunk ended, its steps per second): sizes a bar's chunks
+    clock = tf.stack([tf.timestamp(), tf.constant(0, tf.float64) if speed is None else speed])
+    init = (
+        tf.constant(0, _INT),
+        tf.constant(0, _INT),
+        tf.constant(0, _INT),
+        tf.constant(math.nan, tf.float64),
+        ta,
+        tf.constant(0, _INT),
+        tf.constant(0, _INT),
+        clock,
+    )
+    _, applied, stop, prev, ta, _, _, _ = tf.while_loop(cond, body, init)
+    return ta.concat(), applied, stop, prev

@@ -1,0 +1,212 @@
+"""The TF1 graph pieces of `stepfuse.tf.v1`: checks that the graph and the optimizer fit,
+the variables a loss trains, and one guarded step's ops."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import tensorflow as tf
+
+from ._checks import _check_loss, _fail
+from ._loop import _all_finite
+
+tf1 = tf.compat.v1
+
+
+def _check_graph_mode() -> None:
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            "stepfuse.tf.v1.fuse builds a TF1 graph but TensorFlow is executing eagerly. "
+            "Build inside `with tf.Graph().as_default():` (and run with "
+            "tf.compat.v1.Session(graph=...)), or call tf.compat.v1.disable_eager_execution() "
+            "first; for eager TF2 / Keras use stepfuse.tf.fuse."
+        )
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    if not isinstance(optimizer, tf1.train.Optimizer):
+        _fail(
+            TypeError,
+            "optimizer",
+            optimizer,
+            "a tf.compat.v1.train optimizer",
+            "Pass e.g. tf.compat.v1.train.GradientDescentOptimizer(0.01) or AdamOptimizer(); "
+            "Keras optimizers go to stepfuse.tf.fuse.",
+        )
+
+
+def _as_var(v):
+    """The ``tf.Variable`` behind ``v`` (Keras 3 variables wrap one in ``.value``)."""
+    if isinstance(v, tf.Variable):
+        return v
+    inner = getattr(v, "value", None)
+    if isinstance(inner, tf.Variable):
+        return inner
+    return v
+
+
+def _check_var_list(var_list: Any, given: Any, found: str = "") -> list:
+    """``found``: for ``var_list=None``, which variables that took (said in every error)."""
+    fix = found + (
+        "Pass var_list=None for the graph's trainable variables, or a non-empty list of "
+        "trainable floating-point variables that loss_fn reads."
+    )
+    if var_list is None or isinstance(var_list, (str, bytes)) or not hasattr(var_list, "__iter__"):
+        _fail(TypeError, "var_list", given, "a list of variables or None", fix)
+    var_list = [_as_var(v) for v in var_list]
+    if not var_list:
+        _fail(ValueError, "var_list", given, "a non-empty list (no trainable variables found)", fix)
+    for v in var_list:
+        if not isinstance(v, tf.Variable):
+            _fail(TypeError, "var_list", given, "a list of variables only", f"{v!r}: " + fix)
+        if not v.dtype.base_dtype.is_floating:
+            _fail(
+                TypeError,
+                "var_list",
+                given,
+                "floating-point variables",
+                f"{v.name} has dtype {v.dtype.base_dtype.name}. " + fix,
+            )
+        if _is_ref(v):
+            _fail(
+                TypeError,
+                "var_list",
+                given,
+                "resource variables",
+                f"{v.name} is a reference variable (dtype {v.dtype.name}), which the fused loop "
+                "cannot update. Call tf.compat.v1.enable_resource_variables() after "
+                "disable_v2_behavior() and before building the graph, or create the variables "
+                "with use_resource=True.",
+            )
+    return var_list
+
+
+def _is_ref(v: Any) -> bool:
+    """A reference variable (``use_resource=False``, or after ``disable_v2_behavior``)."""
+    return v.dtype.name.endswith("_ref")
+
+
+def _handles_read(tensor: Any) -> set:
+    """The names of the variable handles read in the computation of ``tensor``."""
+    return {t.name for op in _variable_reads(tensor) for t in op.inputs if t.dtype == tf.resource}
+
+
+def _variable_reads(tensor: Any) -> list:
+    """The ops that read a variable in the computation of ``tensor`` (those taking a
+    resource handle: ReadVariableOp, ResourceGather ...)."""
+    reads, seen, todo = [], set(), [tensor.op]
+    while todo:
+        op = todo.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if any(t.dtype == tf.resource for t in op.inputs):
+            reads.append(op)
+        todo.extend(t.op for t in op.inputs)
+    return reads
+
+
+def _warn_stale_hyper_parameters(optimizer: Any, state: Any) -> None:
+    """Warn where a hyper-parameter of ``optimizer`` is a tensor computed from a variable
+    the loop changes (a learning rate decaying with the global step): the loop reads it
+    once per run, where one ``minimize`` per run would read it at every step."""
+    handles = {v.handle.name for v in state if getattr(v, "handle", None) is not None}
+    for name, value in sorted(vars(optimizer).items()):
+        if not isinstance(value, tf.Tensor) or value.dtype == tf.resource:
+            continue
+        if _handles_read(value) & handles:
+            warnings.warn(
+                f"stepfuse.tf.v1: the optimizer's {name.lstrip('_')} is a tensor computed from a "
+                "variable the loop changes (the global step?): it is read once per run, so every "
+                "step of a run uses the same value. Give the optimizer a callable instead, e.g. "
+                "learning_rate=lambda: tf1.train.exponential_decay(..., global_step, ...), which it "
+                "evaluates at every step.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+
+def _reuse_scope():
+    return tf1.variable_scope(tf1.get_variable_scope(), reuse=True)
+
+
+def _prepare(loss_fn, optimizer, var_list):
+    """Checks, the first (variable-creating) forward pass, the var list and the slots."""
+    _check_graph_mode()
+    if not callable(loss_fn):
+        _fail(
+            TypeError,
+            "loss_fn",
+            loss_fn,
+            "callable as loss_fn() -> scalar tensor",
+            "Pass a function that builds the loss from placeholders and variables.",
+        )
+    _check_optimizer(optimizer)
+    loss0 = _check_loss(loss_fn(), loss_fn)  # creates the variables (tf1.get_variable, layers)
+    given = var_list
+    if var_list is None:
+        # As optimizer.minimize(loss): the trainable variables the loss reads (another
+        # model's in the same graph are not this loss's).
+        read = _handles_read(loss0)
+        everything = tf1.trainable_variables()
+        var_list = [
+            v
+            for v in everything
+            if _is_ref(v)  # refused below, by name
+            or (getattr(v, "handle", None) is not None and v.handle.name in read)
+        ]
+        resource = [v for v in var_list if not _is_ref(v)]
+        if (
+            resource
+        ):  # and, as minimize, not those the loss reads without a gradient (stop_gradient ...)
+            grads = tf.gradients(loss0, resource, unconnected_gradients="none")
+            dropped = {id(v) for v, g in zip(resource, grads) if g is None}
+            var_list = [v for v in var_list if id(v) not in dropped]
+        found = (
+            f"var_list=None took the trainable variables the loss reads: "
+            f"{[v.name for v in var_list]} of {[v.name for v in everything]}. "
+        )
+    else:
+        found = ""
+    var_list = _check_var_list(var_list, given, found)
+    # Slot and non-slot variables (momentum, Adam moments and beta powers) are created
+    # here, outside the loop, so the loop body only reads and writes them.
+    create = getattr(optimizer, "_create_slots", None)
+    if create is not None:
+        with tf1.init_scope():
+            create(var_list)
+    ids = {id(v) for v in var_list}
+    state = list(var_list) + [v for v in optimizer.variables() if id(v) not in ids]
+    return loss0, var_list, state
+
+
+def _step_ops(loss_fn, optimizer, var_list, state, global_step=None):
+    """One proposed step, ops ordered explicitly: ``(loss, snapshot, new, ok)``, the state
+    before and after the optimizer's update and whether loss, gradients and new state are
+    all finite (the caller keeps or restores the update)."""
+    with _reuse_scope():
+        loss = _check_loss(loss_fn(), loss_fn)
+        gvs = optimizer.compute_gradients(loss, var_list)
+    missing = [v.name for g, v in gvs if g is None]
+    if missing:
+        _fail(
+            ValueError,
+            "loss_fn",
+            loss_fn,
+            "a loss that depends on every variable in var_list",
+            f"No gradient reaches {missing}: use those variables in loss_fn or leave them "
+            "out of `var_list`. (If loss_fn makes its variables with tf.Variable or a new Keras "
+            "layer on each call, make them once before fuse, outside loss_fn: loss_fn is called "
+            "again inside the loop, where only tf1.get_variable reuses what the first call made.)",
+        )
+    grads = [g for g, _ in gvs]
+    with tf.control_dependencies(
+        [loss] + [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
+    ):
+        snapshot = [tf.identity(v.read_value()) for v in state]
+    with tf.control_dependencies(snapshot + [loss]):
+        apply = optimizer.apply_gradients(gvs, global_step=global_step)
+    with tf.control_dependencies([apply]):
+        new = [tf.identity(v.read_value()) for v in state]
+    return loss, snapshot, new, _all_finite([loss, *grads, *new])
