@@ -273,7 +273,9 @@ def within_tol(ops: Ops, tol: float, dtype: Any) -> Met:
         if np.isfinite(hi)
         else np.asarray(-np.inf, dt)
     )  # < 0
-    lo, hi, room_lo, room_hi = (dt.type(v) for v in (lo, hi, room_lo, room_hi))
+    # Python floats (each a value of `dt`, so exact in its arithmetic): a NumPy scalar would
+    # be a tensor input of a compiled torch program, converted at every call.
+    lo, hi, room_lo, room_hi = (float(v) for v in (lo, hi, room_lo, room_hi))
 
     def met(a: Any, b: Any) -> Any:
         a, b = ops.cast(a, dt), ops.cast(b, dt)
