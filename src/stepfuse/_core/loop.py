@@ -275,7 +275,7 @@ def within_tol(ops: Ops, tol: float, dtype: Any) -> Met:
     )  # < 0
     # Python floats (each a value of `dt`, so exact in its arithmetic): a NumPy scalar would
     # be a tensor input of a compiled torch program, converted at every call.
-    lo, hi, room_lo, room_hi = (float(v) for v in (lo, hi, room_lo, room_hi))
+    lo_f, hi_f, room_lo_f, room_hi_f = (float(v) for v in (lo, hi, room_lo, room_hi))
 
     def met(a: Any, b: Any) -> Any:
         a, b = ops.cast(a, dt), ops.cast(b, dt)
@@ -286,7 +286,7 @@ def within_tol(ops: Ops, tol: float, dtype: Any) -> Met:
         s, e = ops.where(neg, -s, s), ops.where(neg, -e, e)
         # s < lo: s + e < lo's neighbour above s, at most lo. s > hi: s + e > hi > tol.
         eq = ops.equal
-        return (s < lo) | (eq(s, lo) & (e <= room_lo)) | (eq(s, hi) & (e <= room_hi))
+        return (s < lo_f) | (eq(s, lo_f) & (e <= room_lo_f)) | (eq(s, hi_f) & (e <= room_hi_f))
 
     if ops is HOST:  # NumPy scalars warn where a loss is inf or NaN: such a loss meets no tol
 
