@@ -563,11 +563,11 @@ def test_a_call_longer_than_one_compiled_chunk_chains_chunks_with_the_same_resul
 ):
     x, y = data
     results = []
-    for min_chunk in (8, sf._fit._TF2_MIN_CHUNK):  # 50 steps: 7 chained chunks, then one
-        monkeypatch.setattr(sf._fit, "_TF2_MIN_CHUNK", min_chunk)
+    for min_chunk in (8, sf._fit._MIN_STEPS_PER_LAUNCH):  # 50 steps: 7 chained chunks, then one
+        monkeypatch.setattr(sf._fit, "_MIN_STEPS_PER_LAUNCH", min_chunk)
         _, variables, loss_fn = make_problem("perceptron")
         fit = sf.fuse(loss_fn, keras.optimizers.Adam(0.05), variables, steps=3, record_every=3)
-        assert fit._chunk == max(3, min_chunk)
+        assert fit._steps_per_launch == max(3, min_chunk)
         results.append((fit(x, y, steps=50), values(variables)))
     (ta, va), (tb, vb) = results
     np.testing.assert_array_equal(ta.loss, tb.loss)
@@ -580,17 +580,17 @@ def test_a_call_longer_than_one_compiled_chunk_chains_chunks_with_the_same_resul
 def test_xla_trace_is_gathered_in_small_chunks_with_the_losses_of_the_plain_loop(
     record_every, data, monkeypatch
 ):
-    # Under XLA the losses gather _XLA_CHUNK at a time before each copy into the trace;
+    # Under XLA the losses gather _LOSSES_PER_COPY at a time before each copy into the trace;
     # without XLA they go straight into a TensorArray. 230 steps cross many of those small
     # chunks, and chained compiled chunks of 37 steps start them at odd step indices.
     x, y = data
     results = {}
     for jit, min_chunk in (
-        (True, sf._fit._TF2_MIN_CHUNK),
+        (True, sf._fit._MIN_STEPS_PER_LAUNCH),
         (True, 37),
-        (False, sf._fit._TF2_MIN_CHUNK),
+        (False, sf._fit._MIN_STEPS_PER_LAUNCH),
     ):
-        monkeypatch.setattr(sf._fit, "_TF2_MIN_CHUNK", min_chunk)
+        monkeypatch.setattr(sf._fit, "_MIN_STEPS_PER_LAUNCH", min_chunk)
         _, variables, loss_fn = make_problem("perceptron")
         fit = sf.fuse(
             loss_fn,
@@ -603,7 +603,9 @@ def test_xla_trace_is_gathered_in_small_chunks_with_the_losses_of_the_plain_loop
         results[jit, min_chunk] = fit(x, y, steps=230), values(variables)
     (one, v_one), (chained, v_chained), (plain, v_plain) = results.values()
     assert one.steps == chained.steps == plain.steps == 230
-    assert len(one.loss) == len(plain.loss) == -(-230 // record_every) > 2 * sf._loop._XLA_CHUNK
+    assert (
+        len(one.loss) == len(plain.loss) == -(-230 // record_every) > 2 * sf._loop._LOSSES_PER_COPY
+    )
     np.testing.assert_array_equal(one.loss, chained.loss)
     np.testing.assert_allclose(one.loss, plain.loss, rtol=RTOL, atol=ATOL)
     assert np.all(np.isfinite(one.loss))
@@ -616,7 +618,7 @@ def test_calls_within_the_chunk_run_one_program_and_longer_ones_a_second_traced_
     data, monkeypatch
 ):
     x, y = data
-    monkeypatch.setattr(sf._fit, "_TF2_MIN_CHUNK", 8)
+    monkeypatch.setattr(sf._fit, "_MIN_STEPS_PER_LAUNCH", 8)
     _, variables, loss_fn = make_problem("perceptron")
     fit = sf.fuse(loss_fn, keras.optimizers.SGD(0.1), variables, steps=3)
     _, ref_vars, ref_loss = make_problem("perceptron")

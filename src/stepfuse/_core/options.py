@@ -214,3 +214,31 @@ def check_call_steps(value: Any, opts: Options, *, capped: bool) -> int:
             "any smaller `steps` reuses the same program.",
         )
     return n
+
+
+def shared_doc_of(*names: str) -> Callable[[_F], _F]:
+    """`shared_doc` for a ``fuse`` that takes only some of the shared options (or documents
+    others its own way): the line ``{options}`` gets the entries of `OPTIONS_DOC` named
+    ``names``, in `OPTIONS_DOC`'s order, indented as that line is."""
+    entries: dict[str, list[str]] = {}
+    for line in OPTIONS_DOC.split("\n"):
+        if not line.startswith(" "):  # an entry's first line: "name: ..."
+            entries[line.split(":", 1)[0]] = []
+        entries[next(reversed(entries))].append(line)
+    unknown = [n for n in names if n not in entries]
+    if unknown or not names:
+        raise ValueError(f"shared_doc_of: no shared options named {unknown or names!r}")
+    text = "\n".join(line for name, lines in entries.items() if name in names for line in lines)
+
+    def put(fn: _F) -> _F:
+        doc = fn.__doc__ or ""
+        lines = doc.split("\n")
+        at = [i for i, line in enumerate(lines) if line.strip() == "{options}"]
+        if len(at) != 1:
+            raise ValueError(f"{fn.__qualname__}'s docstring needs one line '{{options}}'")
+        indent = lines[at[0]][: len(lines[at[0]]) - len(lines[at[0]].lstrip())]
+        lines[at[0]] = textwrap.indent(text, indent)
+        fn.__doc__ = "\n".join(lines)
+        return fn
+
+    return put

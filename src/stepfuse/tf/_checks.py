@@ -24,7 +24,7 @@ class _ArgValueError(ValueError, _ArgumentError):
 
 
 def _fail(exc: type[BaseException], name: str, value: Any, want: str, fix: str) -> NoReturn:
-    """The shared argument error (`stepfuse._options._fail`), marked as stepfuse's own."""
+    """The shared argument error (`stepfuse._core.fail`), marked as stepfuse's own."""
     marks: dict[type[BaseException], type[BaseException]] = {
         TypeError: _ArgTypeError,
         ValueError: _ArgValueError,

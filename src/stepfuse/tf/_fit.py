@@ -51,10 +51,10 @@ except ImportError:  # pragma: no cover - other TF versions
 
 __all__ = ["fuse", "Fit"]
 
-# TF2: the steps one XLA launch of a call runs at most, unless `steps` is larger. Each
-# launch costs wall time, so a call far longer than the built `steps` runs in chunks this
-# long; short calls are unaffected (docs/internals/tf.md).
-_TF2_MIN_CHUNK = 16384
+# The steps one launch of the (XLA) inner loop runs at most, unless the built `steps` is
+# larger. Each launch costs wall time, so a call far longer than the built `steps` runs in
+# launches this long; short calls are unaffected (docs/internals/tf.md).
+_MIN_STEPS_PER_LAUNCH = 16384
 
 
 class Fit:
@@ -108,7 +108,8 @@ class Fit:
         # put back with the rest when a step is refused (see `fuse`).
         ids = {id(v) for v in self._state}
         self._held = [t for t in map(_tf_var, held) if id(t) not in ids]
-        self._chunk = max(opts.steps, _TF2_MIN_CHUNK)  # steps one (XLA) inner loop runs at most
+        # the steps one launch of the (XLA) inner loop runs at most
+        self._steps_per_launch = max(opts.steps, _MIN_STEPS_PER_LAUNCH)
         # A progress bar alone needs no synchronous host call: the loop publishes
         # (step, loss) in this variable and a thread reads it (see `Notifier.watch`).
         # That costs a fraction of a notification through tf.numpy_function, which a callback
@@ -124,8 +125,11 @@ class Fit:
         # Losses one inner loop records at most. With a callback a chunk ends at the next
         # multiple of `every`, which bounds it: the buffer is zeroed and copied at every XLA
         # launch (a long one costs at every notification). A bar
-        # alone sizes its chunks by time (see `_outer_loop`), so only `chunk` bounds them.
-        window = min(self._chunk, opts.every or 1) if opts.callback is not None else self._chunk
+        # alone sizes its chunks by time (see `_outer_loop`), so only `_steps_per_launch`
+        # bounds them.
+        window = self._steps_per_launch
+        if opts.callback is not None:
+            window = min(window, opts.every or 1)
         self._cap = ceil_div(window, opts.record_every)
         self._notifier: Notifier | None = None
         self._notified_step: int | None = None
@@ -150,9 +154,9 @@ class Fit:
             inner = tf.function(inner, jit_compile=True, autograph=False)
         self._inner = inner
         self._outer = tf.function(self._outer_py, autograph=False)
-        # A call of at most `chunk` steps with nothing to notify is the inner loop alone,
-        # one launch without the graph loop around it (about half the time of a short call;
-        # docs/internals/tf.md).
+        # A call of at most `_steps_per_launch` steps with nothing to notify is the inner
+        # loop alone, one launch without the graph loop around it (a large part of a short
+        # call's time saved; docs/internals/tf.md).
         self._whole = (
             None
             if self.opts.notify
@@ -287,7 +291,7 @@ class Fit:
             n,
             step0,
             self.opts,
-            self._chunk,
+            self._steps_per_launch,
             self._notify_host if self.opts.notify and self._published is None else None,
             self._published,
             speed,
@@ -358,7 +362,7 @@ class Fit:
     def _run(self, n, start, batch):
         """The call's program: ``(losses as numpy, applied, stop, last loss)``; the last loss
         only from the program that notifies (else None)."""
-        whole = self._whole is not None and n <= self._chunk
+        whole = self._whole is not None and n <= self._steps_per_launch
         if whole:
 
             def run():

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from .._core import Flow, Options, ceil_div, loop, next_multiple
+from .._core import Flow, Options, Stop, ceil_div, loop, next_multiple
 from ._ops import OPS
 
 _INT = tf.int32
@@ -22,8 +22,8 @@ def _all_finite(tensors: Any) -> tf.Tensor:
 
     ``x * 0`` is 0 for a finite ``x`` and NaN for inf or NaN, so the sum of ``x * 0`` over
     all values is finite exactly when each value is (a plain sum could overflow). One sum
-    over the flattened, concatenated tensors is five ops whatever their number, against
-    three per tensor for ``reduce_all(is_finite(t))`` (measured: docs/internals/tf.md).
+    over the flattened, concatenated tensors is a fixed handful of ops whatever their
+    number, where ``reduce_all(is_finite(t))`` costs a few per tensor (docs/internals/tf.md).
     """
     flat = []
     for t in tensors:
@@ -38,8 +38,6 @@ def _all_finite(tensors: Any) -> tf.Tensor:
     return tf.math.is_finite(tf.reduce_sum(flat * 0))
 
 
-_MIN_CHUNK = 256  # stepfuse.tf.v1's default for an int `steps` (its runs are one XLA call each)
-
 # A progress bar alone (no callback) is drawn by a host thread (see `Notifier.watch`), so
 # the loop publishes at a multiple of `every` once at least this long has passed, judged
 # by the last chunk's speed (the first chunk's by the previous call's). Each publication
@@ -48,7 +46,7 @@ _MIN_CHUNK = 256  # stepfuse.tf.v1's default for an int `steps` (its runs are on
 _PUBLISH_SECONDS = 0.25
 
 
-_XLA_CHUNK = 32  # losses an XLA inner loop keeps on the side between copies into the trace
+_LOSSES_PER_COPY = 32  # losses an XLA inner loop keeps on the side between copies into the trace
 
 
 def _inner_loop(
@@ -72,8 +70,8 @@ def _inner_loop(
 
     Without XLA each loss goes straight into a TensorArray. Under XLA a TensorArray
     write is an update of the whole buffer, which XLA:CPU copies at every step (a large
-    part of a small model's step); there the losses of
-    ``_XLA_CHUNK`` recorded steps gather in a small buffer, written into the trace once.
+    part of a small model's step); there the losses of ``_LOSSES_PER_COPY`` recorded
+    steps gather in a small buffer, written into the trace once.
     The losses are kept as ``dtype``: float64 for a float64 loss, whose ``tol`` compares
     the losses themselves (a float32 copy rounds away differences of ~1e-7 relative).
     """
@@ -127,7 +125,7 @@ def _inner_loop(
         )
         buf = buf.stack()
     else:
-        C = _XLA_CHUNK
+        C = _LOSSES_PER_COPY
         where = tf.range(C, dtype=_INT)
 
         def chunk(values: Any, chunks: Any, k: Any) -> Any:
@@ -169,14 +167,15 @@ def _outer_loop(
     n: Any,
     step0: Any,
     opts: Options,
-    chunk: int,
+    steps_per_launch: int,
     notify: Any = None,
     publish: Any = None,
     speed: Any = None,
     dtype: Any = tf.float32,
     count: Any = None,
 ) -> Any:
-    """A whole call: ``inner`` chunks of at most ``chunk`` steps until ``n`` or a stop.
+    """A whole call: ``inner`` chunks (launches of the compiled inner loop) of at most
+    ``steps_per_launch`` steps each, until ``n`` or a stop.
 
     Runs outside XLA, so the trace can grow with ``n`` (a TensorArray of the chunks'
     recorded losses) and notifications reach the host (``notify(step, loss)`` through
@@ -192,10 +191,10 @@ def _outer_loop(
     """
 
     def cond(i, applied, stop, prev, ta, k, ticks, clock):
-        return tf.logical_and(i < n, tf.equal(stop, 0))
+        return tf.logical_and(i < n, tf.equal(stop, int(Stop.STEPS)))
 
     def body(i, applied, stop, prev, ta, k, ticks, clock):
-        m = tf.minimum(tf.constant(chunk, _INT), n - i)
+        m = tf.minimum(tf.constant(steps_per_launch, _INT), n - i)
         if opts.notify:  # a chunk ends at a multiple of `every` (the XLA loop needn't check)
             gstep = step0 + tf.cast(applied, tf.int64)
             ahead = tf.constant(1, tf.int64)
@@ -230,10 +229,10 @@ def _outer_loop(
     # (time the last chunk ended, its steps per second): sizes a bar's chunks
     clock = tf.stack([tf.timestamp(), tf.constant(0, tf.float64) if speed is None else speed])
     init = (
-        tf.constant(0, _INT),
-        tf.constant(0, _INT),
-        tf.constant(0, _INT),
-        tf.constant(math.nan, tf.float64),
+        tf.constant(0, _INT),  # steps evaluated
+        tf.constant(0, _INT),  # updates applied
+        tf.constant(int(Stop.STEPS), _INT),  # the stop code so far
+        tf.constant(math.nan, tf.float64),  # the last loss
         ta,
         tf.constant(0, _INT),
         tf.constant(0, _INT),

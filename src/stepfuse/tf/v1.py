@@ -19,6 +19,7 @@ from .._core import (
     Notifier,
     Options,
     Trace,
+    ceil_div,
     check_int,
     check_options,
     check_steps,
@@ -26,8 +27,9 @@ from .._core import (
     host_trace,
     run_stepwise,
 )
+from .._core.options import shared_doc_of
 from ._checks import _check_jit_compile, _fail
-from ._loop import _MIN_CHUNK, _inner_loop, _outer_loop
+from ._loop import _inner_loop, _outer_loop
 from ._v1_graph import (
     _check_graph_mode,
     _prepare,
@@ -39,7 +41,12 @@ from ._v1_graph import (
 __all__ = ["fuse", "Fit", "Fused", "Stepwise", "copies_train_op"]
 
 tf1 = tf.compat.v1
-_DEFAULT_CHUNK = 1024
+
+# The default `chunk` (the most steps one launch of the compiled inner loop runs): for an
+# int `steps`, the built `steps` but at least this many (a run of at most `chunk` steps is
+# one launch); for a tensor `steps`, whose runs chain launches in a graph loop, this many.
+_MIN_STEPS_PER_LAUNCH = 256
+_TENSOR_STEPS_PER_LAUNCH = 1024
 
 
 class Fit:
@@ -199,6 +206,7 @@ def _check_run_steps(steps: Any, most: int | None = None) -> int:
     return n
 
 
+@shared_doc_of("tol", "record_every", "callback", "on_nonfinite", "mode")
 def fuse(
     loss_fn: Callable[[], Any],
     optimizer: Any,
@@ -214,7 +222,7 @@ def fuse(
     global_step: Any = None,
     callback: Callable[[int, float], Any] | None = None,
     every: int | None = None,
-) -> Any:
+) -> Fit:
     """Build ``steps`` TF1 optimizer updates that run inside one ``sess.run``.
 
     Call in graph mode (``tf.compat.v1.disable_eager_execution()``, or inside
@@ -234,40 +242,36 @@ def fuse(
         int32 scalar tensor such as a placeholder.
       var_list: the variables to train; ``None`` means the graph's trainable variables
         that the loss reads (as ``optimizer.minimize``: another model's are left alone).
-      tol: stop the loop once ``abs(loss[i] - loss[i-1]) <= tol``; ``None`` never stops early.
-      record_every: keep every k-th loss in ``losses``.
-      mode: ``"fused"`` (the while loop) or ``"stepwise"`` (one guarded step per
-        ``sess.run``, the reference; returns a `Stepwise` with ``run``).
-      jit_compile: XLA-compile the step loop (default; ~50x faster per step than a
-        plain graph loop on CPU). An op XLA can't compile makes the first ``sess.run``
-        fail with an XLA error: rebuild with ``jit_compile=False``.
-      on_nonfinite: ``"stop"`` (default) ends the loop with ``Stop.NONFINITE``; ``"raise"``
-        makes ``run(...)`` also raise `stepfuse.NonFiniteError` (``error.step`` counts the
-        updates applied by this object's ``run`` calls). A bare ``sess.run(train_op)``
-        cannot raise: read ``stop`` then. Either way the refused update is not applied.
+      {options}
+      jit_compile: XLA-compile the step loop (default; much faster per step than a plain
+        graph loop on CPU: docs/internals/tf.md). An op XLA can't compile makes the first
+        ``sess.run`` fail with an XLA error: rebuild with ``jit_compile=False``.
       global_step: an integer variable incremented by each applied update, as with
         ``optimizer.minimize(loss, global_step=...)`` (not by a refused one). A learning
         rate that decays with it must be given as a callable, e.g. ``learning_rate=lambda:
         tf1.train.exponential_decay(0.5, global_step, 100, 0.9)``, which the optimizer
         evaluates at every step; a tensor is read once per run (a warning says so).
-      callback: ``callback(step, loss)`` at every ``every``-th update (``step`` counts
-        the updates this object applied, over runs; ``loss`` is that update's).
-      every: how often ``callback`` fires. With a callback the loop then runs as chunks of the compiled loop chained in a graph loop, which
-        calls the host between them (``tf.numpy_function``), also for an int ``steps``;
-        ``run`` re-raises a callback's exception as it is, and a bare ``sess.run`` raises
-        TF's error wrapping it.
-      chunk: the most steps one compiled inner loop runs (XLA needs a static-size loss
-        buffer). Default: ``steps`` (at least 256) for an int ``steps``, 1024 for a tensor.
-        With an int ``steps`` up to ``chunk`` a run is one call of that loop, so it takes
-        at most ``chunk`` steps (feeding more fails with a message naming ``steps``); with
-        a tensor ``steps``, or an int above ``chunk``, longer runs chain chunks in a graph
-        loop inside the same ``sess.run``.
+      every: how often ``callback`` fires (``step`` counts the updates this object
+        applied, over runs). With a callback the loop runs as chunks of the compiled loop
+        chained in a graph loop, which calls the host between them
+        (``tf.numpy_function``), also for an int ``steps``; ``run`` re-raises a
+        callback's exception as it is, and a bare ``sess.run`` raises TF's error
+        wrapping it.
+      chunk: the most steps one launch of the compiled inner loop runs (XLA needs a
+        static-size loss buffer). Default: ``steps`` (at least 256) for an int ``steps``,
+        1024 for a tensor. With an int ``steps`` up to ``chunk`` a run is one call of that
+        loop, so it takes at most ``chunk`` steps (feeding more fails with a message naming
+        ``steps``); with a tensor ``steps``, or an int above ``chunk``, longer runs chain
+        chunks in a graph loop inside the same ``sess.run``.
 
     Returns:
       a `Fused` with ``train_op``, ``losses``, ``steps_taken``, ``stop`` (outputs of one
-      loop) and ``run(sess, feed_dict, steps=None) -> Trace``. A non-finite loss, gradient,
-      new variable or optimizer state stops the loop without applying that update
-      (``stop == Stop.NONFINITE``).
+      loop) and ``run(sess, feed_dict, steps=None) -> Trace``; with ``mode="stepwise"`` a
+      `Stepwise` with ``run``. A non-finite loss, gradient, new variable or optimizer state
+      stops the loop without applying that update (``stop == Stop.NONFINITE``). With
+      ``on_nonfinite="raise"``, ``run(...)`` raises `stepfuse.NonFiniteError`
+      (``error.step`` counts the updates applied by this object's ``run`` calls); a bare
+      ``sess.run(train_op)`` cannot raise: read ``stop`` then.
 
     Example:
       >>> g = tf.Graph()
@@ -333,11 +337,15 @@ def fuse(
     else:
         n = tf1.placeholder_with_default(np.int32(opts.steps), [], name="stepfuse_steps")
     if chunk is None:
-        chunk = max(opts.steps, _MIN_CHUNK) if isinstance(steps_given, int) else _DEFAULT_CHUNK
+        chunk = (
+            max(opts.steps, _MIN_STEPS_PER_LAUNCH)
+            if isinstance(steps_given, int)
+            else _TENSOR_STEPS_PER_LAUNCH
+        )
     chunk = check_int(
         chunk, "chunk", "Pass the most steps one compiled inner loop runs, e.g. chunk=1000."
     )
-    cap = -(-chunk // opts.record_every)
+    cap = ceil_div(chunk, opts.record_every)
     # A run chains chunks of the compiled loop in a graph loop for a tensor `steps`, for a
     # callback (it is called between chunks), and for an int `steps` above `chunk`.
     chained = isinstance(steps_given, (tf.Tensor, tf.Variable)) or opts.notify or opts.steps > chunk
@@ -479,7 +487,7 @@ def _build_stepwise(
     loss0: Any,
     steps_tensor: Any = None,
     global_step: Any = None,
-) -> Any:
+) -> Stepwise:
     loss, snapshot, new, finite = _step_ops(loss_fn, optimizer, var_list, state, global_step)
     with tf.control_dependencies(new + [finite, loss]):
         restore = tf.group(*[v.assign(old) for v, old in zip(state, snapshot)])
