@@ -51,18 +51,22 @@ mode: ``"fused"`` (default) runs the steps in one compiled call; ``"stepwise"``
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def shared_doc(fn: _F) -> _F:
-    """Put `OPTIONS_DOC` where ``fn``'s docstring has a line ``{options}``, indented as
-    that line is (the argument list of every backend's ``fuse``)."""
-    doc = fn.__doc__ or ""
-    lines = doc.split("\n")
+def _put_options(fn: _F, text: str) -> _F:
+    """Put ``text`` where ``fn``'s docstring has a line ``{options}``, indented as that line is."""
+    lines = (fn.__doc__ or "").split("\n")
     at = [i for i, line in enumerate(lines) if line.strip() == "{options}"]
     if len(at) != 1:
         raise ValueError(f"{fn.__qualname__}'s docstring needs one line '{{options}}'")
     indent = lines[at[0]][: len(lines[at[0]]) - len(lines[at[0]].lstrip())]
-    lines[at[0]] = textwrap.indent(OPTIONS_DOC, indent)
+    lines[at[0]] = textwrap.indent(text, indent)
     fn.__doc__ = "\n".join(lines)
     return fn
+
+
+def shared_doc(fn: _F) -> _F:
+    """Put `OPTIONS_DOC` where ``fn``'s docstring has a line ``{options}``, indented as
+    that line is (the argument list of every backend's ``fuse``)."""
+    return _put_options(fn, OPTIONS_DOC)
 
 
 def fail(exc: type[BaseException], name: str, value: Any, want: str, fix: str) -> NoReturn:
@@ -230,15 +234,4 @@ def shared_doc_of(*names: str) -> Callable[[_F], _F]:
         raise ValueError(f"shared_doc_of: no shared options named {unknown or names!r}")
     text = "\n".join(line for name, lines in entries.items() if name in names for line in lines)
 
-    def put(fn: _F) -> _F:
-        doc = fn.__doc__ or ""
-        lines = doc.split("\n")
-        at = [i for i, line in enumerate(lines) if line.strip() == "{options}"]
-        if len(at) != 1:
-            raise ValueError(f"{fn.__qualname__}'s docstring needs one line '{{options}}'")
-        indent = lines[at[0]][: len(lines[at[0]]) - len(lines[at[0]].lstrip())]
-        lines[at[0]] = textwrap.indent(text, indent)
-        fn.__doc__ = "\n".join(lines)
-        return fn
-
-    return put
+    return lambda fn: _put_options(fn, text)
