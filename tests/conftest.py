@@ -21,3 +21,21 @@ def benchmark_script():
         return module
 
     return load
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--runslow",
+        action="store_true",
+        default=False,
+        help="also run the tests marked slow (full sweeps; CI runs a sample of them)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow") or os.environ.get("STEPFUSE_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: run with --runslow (or STEPFUSE_SLOW=1)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
+from typing import NoReturn
 
 from .demo import BACKENDS, SeedResult, available_backends
 
@@ -20,12 +22,12 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, no usage dump
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, no usage dump
         raise UsageError(message)
 
 
-def _positive_int(name):
-    def parse(text):
+def _positive_int(name: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
@@ -39,7 +41,7 @@ def _positive_int(name):
     return parse
 
 
-def _positive_float(text):
+def _positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:

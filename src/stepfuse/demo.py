@@ -14,6 +14,7 @@ import dataclasses
 import importlib.util
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -62,7 +63,12 @@ def _best(run: Callable[[], object], repeats: int = 3) -> float:
 # -- one function per backend: (table(n, calls), us/step fused, us/step stepwise) -----------
 
 
-def _jax(n, calls, lr, stale, timing_steps):
+_Run = tuple[Callable[[int], Any], float, float]
+"""A backend's runner result: ``table(k)`` (the losses with k steps per call), and the
+fused and stepwise times per step in seconds."""
+
+
+def _jax(n: int, calls: int, lr: float, stale: bool, timing_steps: int) -> _Run:
     import jax
     import jax.numpy as jnp
     import optax
@@ -114,7 +120,7 @@ def _jax(n, calls, lr, stale, timing_steps):
     return table, fused / timing_steps, _best(stepwise) / m
 
 
-def _tf(n, calls, lr, stale, timing_steps):
+def _tf(n: int, calls: int, lr: float, stale: bool, timing_steps: int) -> _Run:
     import keras
     import tensorflow as tf
 
@@ -174,7 +180,7 @@ def _tf(n, calls, lr, stale, timing_steps):
     return table, fused / timing_steps, _best(stepwise) / m
 
 
-def _tf1(n, calls, lr, stale, timing_steps):
+def _tf1(n: int, calls: int, lr: float, stale: bool, timing_steps: int) -> _Run:
     import tensorflow as tf
 
     from .tf import v1 as sf1
@@ -227,7 +233,7 @@ def _tf1(n, calls, lr, stale, timing_steps):
     return table, fused_t / timing_steps, stepwise_t / m
 
 
-def _torch(n, calls, lr, stale, timing_steps):
+def _torch(n: int, calls: int, lr: float, stale: bool, timing_steps: int) -> _Run:
     import torch
 
     from . import torch as sf

@@ -1,15 +1,15 @@
 """The progress bar `Notifier` draws: one rich line, laid out without a table.
 
 rich's stock `Progress` lays its columns out as a table, measuring every cell at every
-drawing: ~1.8 ms for the frame drawn when a call ends, measured here (median of 30),
-against ~0.5 ms for this single line of text. A call pays for that frame, so on the
-seed's 0.1 s TF call the table alone cost ~1.5%. The line shows the same things:
-label, bar, ``completed/total``, the last loss, time left.
+drawing, which costs a call several times what this single line of text does (the frame
+drawn when a call ends is paid by the call; numbers: the docs' performance page). The
+line shows the same things: label, bar, ``completed/total``, the last loss, time left.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from rich.progress import Progress
 from rich.text import Text
@@ -34,7 +34,7 @@ class Bar(Progress):
         self.label = label
         self.task = self.add_task(label, total=total, loss=loss)
 
-    def get_renderables(self):
+    def get_renderables(self) -> Any:
         if not self.tasks:
             return
         task = self.tasks[0]

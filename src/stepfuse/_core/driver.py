@@ -79,11 +79,11 @@ class _Drawer:
     call here, ~0.5% of a 100,000-step seed call.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()  # held while drawing: `hide` waits for a drawing to end
         self._shown: list = []
         self._wake = threading.Event()
-        self._thread = None
+        self._thread: threading.Thread | None = None
 
     def show(self, notifier: Notifier) -> None:
         with self._lock:
