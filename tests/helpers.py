@@ -9,7 +9,8 @@ nested in dicts, lists, tuples and NamedTuples).
 - `splits`: a number of steps cut into calls;
 - `to_numpy`, `leaves`, `assert_close`: tree comparison within a tolerance or bit for bit;
 - `assert_fused`: a fit is fused, or the message says why not;
-- `assert_max_compiles`: a fit compiled at most ``k`` programs.
+- `assert_max_compiles`: a fit compiled at most ``k`` programs;
+- `assert_tol_stops_where_the_recorded_losses_say`: every backend's ``tol`` at the last bit.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from stepfuse import Stop
 from stepfuse.problems import SEED_LR, blobs, mlp_init, perceptron_init
 
 __all__ = [
@@ -33,6 +35,8 @@ __all__ = [
     "assert_close",
     "assert_fused",
     "assert_max_compiles",
+    "assert_mode",
+    "assert_tol_stops_where_the_recorded_losses_say",
     "leaves",
     "make_optimizer",
     "splits",
@@ -212,13 +216,18 @@ def fallback_reason(fit: Any) -> str:
     return reason if reason else "(the fit gives no fallback_reason)"
 
 
-def assert_fused(fit: Any) -> None:
-    """``fit.mode == "fused"``; the message carries the fit's reason for falling back."""
+def assert_mode(fit: Any, mode: str = "fused") -> None:
+    """``fit.mode == mode``; the message carries the fit's reason for falling back."""
     if not hasattr(fit, "mode"):
         raise AssertionError(f"{type(fit).__module__}.{type(fit).__qualname__} has no `mode`")
-    assert fit.mode == "fused", (
-        f"{type(fit).__qualname__}.mode is {fit.mode!r}, not 'fused': {fallback_reason(fit)}"
+    assert fit.mode == mode, (
+        f"{type(fit).__qualname__}.mode is {fit.mode!r}, not {mode!r}: {fallback_reason(fit)}"
     )
+
+
+def assert_fused(fit: Any) -> None:
+    """``fit.mode == "fused"``; the message carries the fit's reason for falling back."""
+    assert_mode(fit, "fused")
 
 
 def assert_max_compiles(fit: Any, k: int, *, at_least: int = 1) -> None:
@@ -239,3 +248,28 @@ def concat(traces: Iterable[Any]) -> np.ndarray:
     """The recorded losses of several calls, end to end."""
     parts = [np.asarray(t.loss) for t in traces]
     return np.concatenate(parts) if parts else np.zeros((0,), np.float32)
+
+
+def assert_tol_stops_where_the_recorded_losses_say(run, losses, at=(20, 40)):
+    """``run(tol)`` makes a fresh fit with that ``tol`` and returns its `Trace`; ``losses``
+    are the same fit's losses without ``tol``. For ``tol`` equal to a recorded difference
+    and an ulp either side, the loop stops exactly where its own recorded losses first meet
+    ``tol``, and records the same losses up to there.
+
+    (XLA fuses a loss's last operation into the comparison with the loss before and may
+    round that copy differently, an FMA, from the one recorded; a loop comparing that copy
+    stopped a step early or late for about half of these tols.)
+    """
+    losses = np.asarray(losses)
+    diffs = np.abs(np.diff(losses.astype(np.float64)))
+    for i in at:
+        for tol in (diffs[i], np.nextafter(diffs[i], 0), np.nextafter(diffs[i], 1)):
+            trace = run(float(tol))
+            recorded = np.asarray(trace.loss)
+            np.testing.assert_array_equal(recorded, losses[: len(recorded)])
+            met = np.nonzero(np.abs(np.diff(recorded.astype(np.float64))) <= tol)[0]
+            assert trace.stop is Stop.TOL and len(met) == 1 and trace.steps == met[0] + 2, (
+                i,
+                tol,
+                trace,
+            )

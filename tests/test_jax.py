@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from tol_checks import assert_tol_stops_where_the_recorded_losses_say
+from helpers import assert_tol_stops_where_the_recorded_losses_say
 
 import stepfuse.jax as sf
 from stepfuse import NonFiniteError, Stop

@@ -6,8 +6,8 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import assert_tol_stops_where_the_recorded_losses_say
 from tf_helpers import LN2, OPTIMIZERS, Perceptron, make_problem, reference_steps, seed_data, values
-from tol_checks import assert_tol_stops_where_the_recorded_losses_say
 
 import stepfuse.tf as sf
 from stepfuse import NonFiniteError, Stop

@@ -8,8 +8,8 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import assert_tol_stops_where_the_recorded_losses_say
 from tf_helpers import LN2, seed_data, seed_graph, sparse_ce
-from tol_checks import assert_tol_stops_where_the_recorded_losses_say
 
 import stepfuse.tf.v1 as v1
 from stepfuse import Stop

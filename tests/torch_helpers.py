@@ -7,6 +7,7 @@ import inspect
 import numpy as np
 import torch
 import torch.nn.functional as F
+from helpers import ATOL, RTOL, assert_fused, assert_mode  # noqa: F401 (re-exported)
 from torch import nn
 
 from stepfuse.problems import blobs, mlp_init, perceptron_init
@@ -39,9 +40,6 @@ OPTIMIZERS = {
     "rmsprop": (torch.optim.RMSprop, dict(lr=0.01, momentum=0.5, centered=True)),
     "adagrad": (torch.optim.Adagrad, dict(lr=0.1)),
 }
-
-# float32 on CPU: the fused program vs eager torch (see the report in tests/test_torch.py)
-RTOL, ATOL = 1e-6, 1e-7
 
 
 def perceptron() -> nn.Module:
@@ -169,15 +167,3 @@ def reset(model_name, model, optimizer):
         for p, q in zip(model.parameters(), fresh.parameters()):
             p.copy_(q)
     optimizer.state.clear()
-
-
-def assert_mode(fit, mode: str = "fused") -> None:
-    """``fit`` runs in ``mode``; a fit that fell back shows why (its whole reason)."""
-    assert fit.mode == mode, (
-        f"the fit runs {fit.mode!r}, expected {mode!r}; fallback_reason: {fit.fallback_reason}"
-    )
-
-
-def assert_fused(fit) -> None:
-    """``fit`` runs the fused program (else the failure shows its fallback reason)."""
-    assert_mode(fit, "fused")
