@@ -22,13 +22,21 @@ from .._core import (
     Stop,
     Trace,
     check_call_steps,
+    fail,
     finish,
     host_trace,
     paced_every,
     run_stepwise,
 )
 from . import _host, _program
-from ._checks import Loss, check_opt_state, check_params
+from ._checks import (
+    Loss,
+    check_lookahead,
+    check_model_state,
+    check_opt_state,
+    check_params,
+    loss_params,
+)
 from ._state import FitState
 from ._step import Proposal, propose
 from ._transforms import inside_a_trace, spans_devices, wants_reverse_mode
@@ -43,7 +51,8 @@ _DRAW_SECONDS = 0.1
 
 
 class Fit:
-    """A fused fit built by `fuse`: ``init(params)`` then ``state, trace = fit(state, *batch)``.
+    """A fused fit built by `fuse`: ``init(params)`` (``init(params, model_state)`` with
+    ``has_state=True``) then ``state, trace = fit(state, *batch)``.
 
     Attributes:
       mode: ``"fused"`` or ``"stepwise"``, the mode the fit runs in (JAX has no fallback:
@@ -62,9 +71,10 @@ class Fit:
         has_aux: bool,
         differentiable: bool,
         compiler_options: dict[str, Any] | None = None,
+        has_state: bool = False,
     ):
         self.loss_fn, self.optimizer, self.opts = loss_fn, optimizer, opts
-        self.has_aux, self.differentiable = has_aux, differentiable
+        self.has_aux, self.differentiable, self.has_state = has_aux, differentiable, has_state
         self.mode: str = opts.mode
         self.compiles = 0
         self.compiler_options = dict(compiler_options or {})
@@ -84,11 +94,35 @@ class Fit:
         self._step = jax.jit(self._one_step, **jit_options)
 
     # -- public ---------------------------------------------------------------------
-    def init(self, params: Any) -> FitState:
-        """The starting `FitState` for ``params`` (the optimizer state from ``optimizer.init``)."""
+    def init(self, params: Any, model_state: Any = None) -> FitState:
+        """The starting `FitState` for ``params`` (the optimizer state from
+        ``optimizer.init``) and, with ``has_state=True``, the model's ``model_state``
+        (flax ``variables["batch_stats"]``, the non-parameter state of ``nnx.split``)."""
         check_params(params)
+        if self.has_state and model_state is None:
+            fail(
+                TypeError,
+                "model_state",
+                model_state,
+                "the model's state (has_state=True)",
+                "Pass it: fit.init(params, model_state), e.g. variables['batch_stats'], or "
+                "build with has_state=False for a loss_fn(params, *batch).",
+            )
+        if not self.has_state and model_state is not None:
+            raise TypeError(
+                "`model_state` must be None for a fit built with has_state=False; got a "
+                f"{type(model_state).__name__}. Build with fuse(..., has_state=True) and a "
+                "loss_fn(params, model_state, *batch) -> (loss, new_model_state) to carry a "
+                "model state."
+            )
+        check_model_state(model_state)
         params = jax.tree_util.tree_map(jnp.asarray, params)
-        return FitState(params, self.optimizer.init(params), jnp.zeros((), jnp.int32))
+        # Strong dtypes: the loop carries the state loss_fn returns, of the same dtypes.
+        model_state = jax.tree_util.tree_map(
+            lambda x: jnp.asarray(x, jnp.result_type(x)), model_state
+        )
+        check_lookahead(self.optimizer, params)
+        return FitState(params, self.optimizer.init(params), jnp.zeros((), jnp.int32), model_state)
 
     def __call__(self, state: FitState, *batch: Any, steps: int | None = None) -> tuple:
         """Run ``steps`` updates (default: the ``steps`` given to `fuse`) in one call.
@@ -195,7 +229,15 @@ class Fit:
     ) -> tuple[FitState, Any, Any]:
         """The fused program (`_program.run`), traced by ``self._fused``."""
         self.compiles += 1  # Python runs here only while jax.jit traces a new program
-        loss = Loss(self.loss_fn, self.has_aux, state.params, batch)
+        self._check_model_state(state)
+        loss = Loss(
+            self.loss_fn,
+            self.has_aux,
+            loss_params(state.params),
+            batch,
+            self.has_state,
+            state.model_state,
+        )
         return _program.run(
             self.opts,
             self.optimizer,
@@ -333,25 +375,47 @@ class Fit:
         self._errors.deliver(self._notifier, step, loss)
 
     # -- the stepwise reference -------------------------------------------------------
-    def _one_step(self, params: Any, opt_state: Any, batch: tuple) -> Proposal:
+    def _check_model_state(self, state: FitState) -> None:
+        """A call's state has a model state exactly when the fit was built with has_state."""
+        if self.has_state == (state.model_state is None):
+            want = (
+                "a model state (this fit was built with has_state=True)"
+                if self.has_state
+                else "None (this fit was built with has_state=False)"
+            )
+            raise TypeError(
+                f"`state.model_state` must be {want}; got "
+                f"{type(state.model_state).__name__}. Pass the state this fit's "
+                "init(params[, model_state]) made or its calls returned."
+            )
+
+    def _one_step(self, params: Any, opt_state: Any, model_state: Any, batch: tuple) -> Proposal:
         """One step of the stepwise reference, traced by ``self._step``."""
         self.compiles += 1  # Python runs here only while jax.jit traces a new step
         check_opt_state(self.optimizer, params, opt_state)
-        loss = Loss(self.loss_fn, self.has_aux, params, batch)
-        return propose(self.optimizer, loss, params, opt_state, batch)
+        loss = Loss(
+            self.loss_fn, self.has_aux, loss_params(params), batch, self.has_state, model_state
+        )
+        return propose(self.optimizer, loss, params, opt_state, batch, None, model_state)
 
     def _run_stepwise(self, state: FitState, batch: tuple, n: int) -> tuple:
-        held: dict[str, Any] = {"params": state.params, "opt": state.opt_state, "aux": None}
+        self._check_model_state(state)
+        held: dict[str, Any] = {
+            "params": state.params,
+            "opt": state.opt_state,
+            "model": state.model_state,
+            "aux": None,
+        }
 
         def propose_step() -> tuple[Any, bool, Any]:
-            value, aux, new_params, new_opt, probe, _ = self._step(
-                held["params"], held["opt"], batch
+            value, aux, new_params, new_opt, probe, _, new_model = self._step(
+                held["params"], held["opt"], held["model"], batch
             )
             held["aux"] = aux
-            return np.asarray(value), bool(np.isfinite(probe)), (new_params, new_opt)
+            return np.asarray(value), bool(np.isfinite(probe)), (new_params, new_opt, new_model)
 
         def commit(token: Any) -> None:
-            held["params"], held["opt"] = token
+            held["params"], held["opt"], held["model"] = token
 
         start = int(state.step)
         with Notifier(self.opts, start, n, label="stepfuse.jax") as note:
@@ -359,6 +423,6 @@ class Fit:
                 propose_step, commit, n, self.opts, start, note if self.opts.notify else None
             )
             note.done(trace.steps)
-        new = FitState(held["params"], held["opt"], jnp.int32(start + trace.steps))
+        new = FitState(held["params"], held["opt"], jnp.int32(start + trace.steps), held["model"])
         trace = finish(trace, self.opts, start, new)
         return (new, trace, held["aux"]) if self.has_aux else (new, trace)

@@ -25,6 +25,7 @@ def fuse(
     tol: float | None = None,
     record_every: int = 1,
     has_aux: bool = False,
+    has_state: bool = False,
     callback: Callable[[int, float], Any] | None = None,
     every: int | None = None,
     progress: bool = False,
@@ -42,11 +43,20 @@ def fuse(
         ``GradientTransformationExtraArgs`` gets ``value`` (the loss), ``grad`` and
         ``value_fn`` (the loss of params on this call's batch) at every step, as
         ``optax.lbfgs``, ``optax.contrib.reduce_on_plateau`` and ``optax.polyak_sgd`` need,
-        and ``grad_fn`` (``optax.contrib.sam``); an ``optax.MultiSteps`` is taken as its
-        ``gradient_transformation()``.
+        ``obj_fn`` (the same function: ``optax.contrib.sophia``) and ``grad_fn``
+        (``optax.contrib.sam``); an ``optax.MultiSteps`` is taken as its
+        ``gradient_transformation()``. With ``optax.lookahead``, pass
+        ``fit.init(optax.LookaheadParams.init_synced(params))``: ``loss_fn`` gets
+        ``params.fast``.
       {options}
       has_aux: ``loss_fn`` returns ``(loss, aux)``; the call returns the aux of the
         last evaluated step as a third value.
+      has_state: the model has a state that is no parameter (flax ``batch_stats``, an
+        nnx ``BatchStat``): ``loss_fn(params, model_state, *batch) -> (loss,
+        new_model_state)`` (``(loss, (new_model_state, aux))`` with ``has_aux``), the
+        loop carries it step to step and call to call (``fit.init(params,
+        model_state)``, ``state.model_state``); a refused non-finite update leaves it
+        at the last finite step too.
       differentiable: run the loop as a ``lax.scan`` of the built ``steps`` iterations
         (those past a call's ``steps=n``, and finished ones, masked) so that ``jax.grad``
         can go through it in reverse mode; one program serves every ``n`` (a call costs
@@ -61,7 +71,8 @@ def fuse(
         (that ``jit``'s options apply).
 
     Returns:
-      A `Fit`: ``state = fit.init(params)``; ``state, trace = fit(state, *batch)``.
+      A `Fit`: ``state = fit.init(params)`` (``fit.init(params, model_state)`` with
+      ``has_state``); ``state, trace = fit(state, *batch)``.
 
     Example:
       >>> import jax.numpy as jnp, optax, stepfuse.jax as sf
@@ -87,11 +98,21 @@ def fuse(
         )
     if isinstance(optimizer, optax.MultiSteps):  # a wrapper that builds its transformation
         optimizer = optimizer.gradient_transformation()
-    for name, flag in (("has_aux", has_aux), ("differentiable", differentiable)):
+    for name, flag in (
+        ("has_aux", has_aux),
+        ("has_state", has_state),
+        ("differentiable", differentiable),
+    ):
         if not isinstance(flag, bool):
             fail(TypeError, name, flag, "True or False", "Pass a bool.")
     return Fit(
-        loss_fn, optimizer, opts, has_aux, differentiable, _check_compiler_options(compiler_options)
+        loss_fn,
+        optimizer,
+        opts,
+        has_aux,
+        differentiable,
+        _check_compiler_options(compiler_options),
+        has_state,
     )
 
 

@@ -67,7 +67,9 @@ class Carry(NamedTuple):
       params, opt_state: the current parameters and optimizer state.
       buf: recorded losses: whole chunks of slots, then one slot for unrecorded steps.
       aux: the aux of the last evaluated step (None without ``has_aux``).
-      kept: the optimizer-state entries that may stay non-finite (`_probe.held`).
+      kept: the optimizer- and model-state entries that may stay non-finite
+        (`_probe.held`).
+      model_state: the model's state with ``has_state`` (None otherwise, not carried).
     """
 
     flow: Flow
@@ -76,6 +78,7 @@ class Carry(NamedTuple):
     buf: jax.Array
     aux: Any
     kept: jax.Array
+    model_state: Any = None
 
 
 class _Loop:
@@ -101,7 +104,7 @@ class _Loop:
         self.keep_loss = opts.tol is not None or (opts.notify and scanned)
         self.met: Met | None = None if opts.tol is None else within_tol(OPS, opts.tol, loss.dtype)
 
-    def start(self, params: Any, opt_state: Any) -> Carry:
+    def start(self, params: Any, opt_state: Any, model_state: Any) -> Carry:
         nan = jnp.array(jnp.nan, self.loss.dtype)
         flow = Flow(
             jnp.int32(0),
@@ -110,8 +113,9 @@ class _Loop:
             nan if self.opts.tol is not None else None,
         )
         aux0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), self.loss.aux_shape)
-        carry = Carry(flow, params, opt_state, self.fresh_buf(), aux0, held(flat_state(opt_state)))
-        return varying_like(carry, (params, opt_state, self.batch))
+        kept = held(flat_state((opt_state, model_state)))
+        carry = Carry(flow, params, opt_state, self.fresh_buf(), aux0, kept, model_state)
+        return varying_like(carry, (params, opt_state, model_state, self.batch))
 
     def fresh_buf(self) -> jax.Array:
         return jnp.full((self.size + 1,), jnp.nan, self.loss.dtype)
@@ -131,19 +135,21 @@ class _Loop:
         """
 
         def body(c: Carry) -> Carry:
-            value, aux, new_params, new_opt, probe, new_kept = propose(
-                self.optimizer, self.loss, c.params, c.opt_state, self.batch, c.kept
+            value, aux, new_params, new_opt, probe, new_kept, new_state = propose(
+                self.optimizer, self.loss, c.params, c.opt_state, self.batch, c.kept, c.model_state
             )
             slot = record_slot(c.flow.i, self.k, first, unrecorded, OPS)
             buf = jax.lax.dynamic_update_index_in_dim(c.buf, value, slot, 0)
             flow = advance(c.flow, value, probe)
             ok = OPS.logical_not(refused(OPS, flow))
             if guarded:
-                new_params, new_opt = select(ok, (new_params, new_opt), (c.params, c.opt_state))
+                new_params, new_opt, new_state = select(
+                    ok, (new_params, new_opt, new_state), (c.params, c.opt_state, c.model_state)
+                )
             # Written after the probe has read the old one (it depends on the probe): else
             # XLA copies it twice a step to update it in place.
             new_kept = select(ok, new_kept, c.kept)
-            return Carry(flow, new_params, new_opt, buf, aux, new_kept)
+            return Carry(flow, new_params, new_opt, buf, aux, new_kept, new_state)
 
         return body
 
@@ -221,15 +227,17 @@ class _Loop:
         bad = refused(OPS, out.flow)
         good = jnp.where(bad, applied(OPS, out.flow), 0)
 
-        def redo(good: Any) -> tuple[Any, Any]:
+        def redo(good: Any) -> tuple[Any, Any, Any]:
             again = carry._replace(buf=varying_like(self.fresh_buf(), carry))
             again = jax.lax.while_loop(
                 lambda a: a.flow.i < good, lambda a: self.chunk(a, good), again
             )
-            return again.params, again.opt_state
+            return again.params, again.opt_state, again.model_state
 
-        params, opt_state = jax.lax.cond(bad, redo, lambda _: (out.params, out.opt_state), good)
-        return out._replace(params=params, opt_state=opt_state)
+        params, opt_state, model_state = jax.lax.cond(
+            bad, redo, lambda _: (out.params, out.opt_state, out.model_state), good
+        )
+        return out._replace(params=params, opt_state=opt_state, model_state=model_state)
 
     def scanned(self, carry: Carry, length: int) -> Carry:
         """Reverse-differentiable: ``length`` iterations, those past the call's end or its
@@ -245,7 +253,7 @@ class _Loop:
     def result(self, out: Carry, pack: bool) -> tuple[FitState, Any, Any]:
         done = applied(OPS, out.flow)
         stop = stop_code(OPS, out.flow, self.met)
-        state = FitState(out.params, out.opt_state, self.step0 + done)
+        state = FitState(out.params, out.opt_state, self.step0 + done, out.model_state)
         ints = INT_OF.get(np.dtype(out.buf.dtype))
         if pack and ints is not None:
             # For the host: the losses' bits, then applied and stop, as one integer array
@@ -294,7 +302,7 @@ def run(
         host_id,
         scan_steps is not None,
     )
-    carry = loop.start(state.params, state.opt_state)
+    carry = loop.start(state.params, state.opt_state, state.model_state)
     if scan_steps is not None:
         out = loop.scanned(carry, scan_steps)
     else:

@@ -24,8 +24,13 @@ class FitState(NamedTuple):
       params: the parameters (any pytree of float arrays).
       opt_state: the optax optimizer state.
       step: int32 scalar, the number of updates applied since ``init``.
+      model_state: the model's state that is no parameter (flax ``batch_stats``, an
+        nnx ``BatchStat`` state ...), carried step to step with ``has_state=True``; None
+        otherwise (a pytree without leaves, so a state without it flattens, vmaps and
+        saves as before).
     """
 
     params: Any
     opt_state: Any
     step: jax.Array
+    model_state: Any = None

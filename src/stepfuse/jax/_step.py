@@ -10,35 +10,49 @@ from typing import Any
 import jax
 import optax
 
-from ._checks import Loss, check_opt_state
+from ._checks import Loss, check_opt_state, loss_params
 from ._probe import flat_state, held, nonfinite_probe
 
 __all__ = ["Proposal", "extra_args", "propose", "update"]
 
-Proposal = tuple[Any, Any, Any, Any, Any, Any]
-"""``(loss, aux, new_params, new_opt_state, probe, kept)`` (see `propose`)."""
+Proposal = tuple[Any, Any, Any, Any, Any, Any, Any]
+"""``(loss, aux, new_params, new_opt_state, probe, kept, new_model_state)`` (see
+`propose`)."""
 
 
 def extra_args(
-    optimizer: optax.GradientTransformation, loss: Loss, value: Any, grads: Any, batch: tuple
+    optimizer: optax.GradientTransformation,
+    loss: Loss,
+    value: Any,
+    grads: Any,
+    batch: tuple,
+    model_state: Any = None,
+    opt_state: Any = None,
 ) -> dict[str, Any]:
     """The keyword arguments optax's ``GradientTransformationExtraArgs`` may read in
     ``update``: the loss ``value`` and gradient ``grad`` at ``params`` (reduce_on_plateau,
     polyak_sgd), ``value_fn(params)``, the loss on this call's batch (lbfgs and the line
-    searches), and ``grad_fn(params, i)``, its gradient (sam). An update that takes
-    ``**extra_args`` gets the first three, optax's convention (its transformations drop
-    what they do not read; the backtracking line search hands any other one on to
-    ``value_fn``); one with named keywords gets those it names; a plain
+    searches), ``obj_fn(params)``, the same function under the name
+    ``optax.contrib.sophia``'s Hessian estimate reads (offered where ``opt_state`` holds a
+    ``SophiaState``: a name refused costs `update` a trace of the update again, a
+    sizeable part of the first call for lbfgs), and ``grad_fn(params, i)``, its gradient
+    (sam). With a model state, the loss is that of the step's model state (the
+    state before the step; its update is the step's own). An update that takes
+    ``**extra_args`` gets them all (its transformations drop what they do not read; the
+    backtracking line search hands any other one on to ``value_fn``, and `update` drops
+    what it refuses); one with named keywords gets those it names; a plain
     ``GradientTransformation`` none."""
     if not isinstance(optimizer, optax.GradientTransformationExtraArgs):
         return {}
-    on_batch = lambda p: loss(p, *batch)[0]  # noqa: E731
+    on_batch = lambda p: loss(p, model_state, *batch)[0]  # noqa: E731
     offered = {
         "value": value,
         "grad": grads,
         "value_fn": on_batch,
         "grad_fn": lambda p, i: jax.grad(on_batch)(p),
     }
+    if _holds_sophia(opt_state):
+        offered["obj_fn"] = on_batch
     try:
         accepted = list(inspect.signature(optimizer.update).parameters.values())
     except (TypeError, ValueError):  # no signature to read
@@ -47,6 +61,11 @@ def extra_args(
     if any(a.kind is inspect.Parameter.VAR_KEYWORD for a in accepted):
         names |= set(offered)  # `update` drops those a transformation inside refuses
     return {k: v for k, v in offered.items() if k in names}
+
+
+def _holds_sophia(opt_state: Any) -> bool:
+    is_sophia = lambda x: isinstance(x, optax.contrib.SophiaState)  # noqa: E731
+    return any(map(is_sophia, jax.tree_util.tree_leaves(opt_state, is_leaf=is_sophia)))
 
 
 def update(
@@ -81,20 +100,27 @@ def propose(
     opt_state: Any,
     batch: tuple,
     kept: Any = None,
+    model_state: Any = None,
 ) -> Proposal:
-    """One step from ``(params, opt_state)``, not applied: ``(loss, aux, new_params,
-    new_opt_state, probe, kept')`` with the finite ``probe`` of `nonfinite_probe`.
+    """One step from ``(params, opt_state, model_state)``, not applied: ``(loss, aux,
+    new_params, new_opt_state, probe, kept', new_model_state)`` with the finite ``probe``
+    of `nonfinite_probe`.
 
+    The loss and gradient are those at `loss_params` (``params.fast`` for
+    `optax.lookahead`'s ``LookaheadParams``). ``model_state`` goes into ``loss_fn`` and
+    its new value comes out (None without ``has_state``); it is checked with the
+    optimizer state, so a step whose model state turns non-finite is refused too.
     ``kept``: the state entries that count as finite while left unchanged, carried by the
     fused loop; computed here for a single step when None.
     """
     check_opt_state(optimizer, params, opt_state)
-    (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(params, *batch)
-    updates, new_opt = update(
-        optimizer, grads, opt_state, params, extra_args(optimizer, loss, value, grads, batch)
+    (value, (new_state, aux)), grads = jax.value_and_grad(loss, has_aux=True)(
+        loss_params(params), model_state, *batch
     )
+    extra = extra_args(optimizer, loss, value, grads, batch, model_state, opt_state)
+    updates, new_opt = update(optimizer, grads, opt_state, params, extra)
     new_params = optax.apply_updates(params, updates)
     new_params = jax.tree_util.tree_map(lambda n, p: n.astype(p.dtype), new_params, params)
-    kept = held(flat_state(opt_state)) if kept is None else kept
-    probe, kept = nonfinite_probe((value, grads, new_params), new_opt, kept)
-    return value, aux, new_params, new_opt, probe, kept
+    kept = held(flat_state((opt_state, model_state))) if kept is None else kept
+    probe, kept = nonfinite_probe((value, grads, new_params), (new_opt, new_state), kept)
+    return value, aux, new_params, new_opt, probe, kept, new_state
