@@ -124,6 +124,43 @@ def test_bench_quick_has_every_contender_of_every_backend(tmp_path):
     print(f"bench --quick took {elapsed:.0f} s")
 
 
+@pytest.mark.parametrize(
+    "backend, sizes", [("torch", ["cnn"]), ("tf", ["cnn"])], ids=["torch", "tf"]
+)
+def test_bench_model_rows_report_each_fits_mode(backend, sizes, tmp_path):
+    """The real-model rows at their smallest (N = 1): every contender of the model size,
+    and the stepfuse rows carry the mode their fit ran in (a fit that fell back to
+    stepwise must not read as fused). One torch compile (the cnn fit's)."""
+    import importlib
+
+    from stepfuse.bench.__main__ import MODULES
+
+    if backend not in available_backends():
+        pytest.skip(f"{backend} is not installed")
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "stepfuse.bench", "--backend", backend, "--sizes", *sizes]
+    proc = subprocess.run(
+        [*cmd, "--steps", "1", "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    module = importlib.import_module(MODULES[backend])
+    assert {r["problem"] for r in results} == set(sizes)
+    assert [r["contender"] for r in results] == list(module.MODEL_CONTENDERS)
+    for r in results:
+        assert r["us_per_step"] > 0 and r["steps"] == 1
+        if r["contender"].startswith("stepfuse"):
+            assert r["mode"].split(",")[0] in ("fused", "stepwise"), r
+        else:
+            assert r["mode"] == "", r
+    assert "mode" in proc.stdout  # the table's column
+    if backend == "tf":  # no random ops in the cnn: the XLA fit stays XLA-compiled
+        assert [r["mode"] for r in results][:2] == ["fused", "fused, no XLA"]
+
+
 def test_matplotlib_missing_is_a_usage_error_before_the_run(monkeypatch, capsys):
     import stepfuse.demo
 

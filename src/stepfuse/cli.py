@@ -145,7 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--backends", nargs="+", help=f"from {', '.join(BACKENDS)} (default: installed)"
     )
-    bench.add_argument("--sizes", nargs="+", choices=("seed", "mlp", "wide"), help="problem sizes")
+    bench.add_argument(
+        "--sizes",
+        nargs="+",
+        choices=("seed", "mlp", "wide", "cnn", "lstm"),
+        help="problem sizes (real models: cnn for torch and tf, lstm for torch)",
+    )
     bench.add_argument("--steps", nargs="+", type=_positive_int("--steps"), help="values of N")
     bench.add_argument(
         "--quick",

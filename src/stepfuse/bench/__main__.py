@@ -10,7 +10,7 @@ import importlib
 import os
 
 from ._timing import measure, print_table, write_json
-from .problems import MAX_STEPS
+from .problems import MAX_STEPS, SIZES
 
 MODULES = {
     "jax": "stepfuse.bench.jax",
@@ -31,7 +31,12 @@ def main(argv=None):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     module = importlib.import_module(MODULES[args.backend])
     results = []
+    # The MLP sizes run on every backend; a model size (problems.MODEL_SIZES) on the
+    # backends whose module lists it in MODEL_SIZES.
+    supported = (*SIZES, *getattr(module, "MODEL_SIZES", ()))
     for size in args.sizes:
+        if size not in supported:
+            continue
         for n in args.steps:
             if n > MAX_STEPS[size]:
                 continue

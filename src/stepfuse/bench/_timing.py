@@ -3,7 +3,9 @@
 A contender is a function ``run(n)`` that performs ``n`` optimizer steps and returns
 only when they are done (it blocks on the result). The harness warms it up (that
 first call's time is reported as the build/compile time), then takes the best of a few
-repeats, interleaving the contenders so that a noisy neighbour hurts them alike.
+repeats, interleaving the contenders so that a noisy neighbour hurts them alike. A
+contender backed by a stepfuse fit exposes it as ``run.fit``: its mode as it ran is
+printed next to its time, so a fit that fell back to stepwise never reads as fused.
 """
 
 from __future__ import annotations
@@ -29,6 +31,20 @@ class Result:
     ratio: float | None = None  # us_per_step / stepfuse's us_per_step on the same row group
     note: str = ""
     n: int = 0  # the N of the row group (a slow contender may be timed on fewer `steps`)
+    mode: str = ""  # a stepfuse fit's mode as it ran ("fused", "stepwise"; see `fit_mode`)
+
+
+def fit_mode(run: Any) -> str:
+    """The mode of the stepfuse fit behind a contender's ``run`` (its ``run.fit``), read
+    after it ran: ``"fused"`` or ``"stepwise"`` (a fit that fell back), with ``", no XLA"``
+    for a TF fit whose loop is not XLA-compiled; ``""`` for a contender without a fit."""
+    fit = getattr(run, "fit", None)
+    if fit is None:
+        return ""
+    mode = str(getattr(fit, "mode", "?"))
+    if getattr(fit, "jit_compile", True) is False:
+        mode += ", no XLA"
+    return mode
 
 
 def time_call(
@@ -102,6 +118,7 @@ def measure(
         results[name] = Result(
             backend, problem, name, m, float("inf"), time.perf_counter() - t0, n=n
         )
+        results[name].mode = fit_mode(run)
         runs[name] = (run, m)
     spent, rounds = dict.fromkeys(runs, 0.0), 0
     while rounds < repeats or (min(spent.values()) < min_seconds and rounds < max_rounds):
@@ -125,7 +142,8 @@ def print_table(results: list[Result], title: str = "stepfuse benchmark") -> Non
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("backend", "problem", "contender", "N", "us/step", "x stepfuse", "build s"):
+    cols = ("backend", "problem", "contender", "mode", "N", "us/step", "x stepfuse", "build s")
+    for col in cols:
         table.add_column(
             col, justify="right" if col in ("N", "us/step", "x stepfuse", "build s") else "left"
         )
@@ -134,6 +152,7 @@ def print_table(results: list[Result], title: str = "stepfuse benchmark") -> Non
             r.backend,
             r.problem,
             r.contender,
+            r.mode,  # next to the time: a fit that fell back is shown as stepwise
             str(r.steps),
             f"{r.us_per_step:.2f}",
             "" if r.ratio is None else f"{r.ratio:.2f}",

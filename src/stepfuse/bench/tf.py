@@ -2,6 +2,8 @@
 
 Every contender trains the same problem (`stepfuse.bench.problems.problem`: tanh MLP,
 softmax cross-entropy, SGD lr 0.01, full batch) with the Keras 3 optimizer's own update.
+The ``cnn`` model size (`model_contenders`) is a Keras CNN with BatchNormalization, timed
+against Keras's plain eager loop and a ``tf.function`` of one step.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from .. import tf as sf  # noqa: E402
-from .problems import problem  # noqa: E402
+from .problems import CNN_CHANNELS, CNN_IMAGE, MAX_STEPS, MODEL_CLASSES, model_data, problem  # noqa: E402
 
 CONTENDERS = (
     "stepfuse",
@@ -31,6 +33,7 @@ NOTES = {
     "tf.function per step": "one tf.function(GradientTape + apply_gradients) call per step",
     "tf.while_loop in tf.function": "hand-written tf.while_loop, jit_compile=True, no trace/guards",
     "Keras fit (steps_per_execution)": "model.fit, steps_per_execution=min(N, 1000), jit_compile=True",
+    "eager per step": "Keras's plain loop: GradientTape + apply_gradients, eagerly (model sizes)",
 }
 
 
@@ -66,8 +69,103 @@ def keras_model(layers):
     return model
 
 
+MODEL_SIZES = ("cnn",)
+MODEL_CONTENDERS = ("stepfuse", "stepfuse (no XLA)", "eager per step", "tf.function per step")
+"""The contenders of the model sizes (`stepfuse.bench.problems.MODEL_SIZES`)."""
+
+MAX_TIMED = {"cnn": {"stepfuse (no XLA)": 100, "eager per step": 30, "tf.function per step": 100}}
+"""Model size -> contender -> at most this many steps per timed call (see `measure`)."""
+
+
+def keras_cnn():
+    """The ``cnn`` size (`stepfuse.bench.problems`) as a Keras model (channels last)."""
+    keras.utils.set_random_seed(0)
+    stack: list[Any] = [keras.Input((CNN_IMAGE[1], CNN_IMAGE[2], CNN_IMAGE[0]))]
+    for channels in CNN_CHANNELS:
+        stack += [
+            keras.layers.Conv2D(channels, 3, padding="same", use_bias=False),
+            keras.layers.BatchNormalization(),
+            keras.layers.ReLU(),
+            keras.layers.MaxPooling2D(2),
+        ]
+    stack += [keras.layers.Flatten(), keras.layers.Dense(MODEL_CLASSES)]
+    return keras.Sequential(stack)
+
+
+_CACHE: dict = {}
+"""(size, jit_compile, lr) -> the model size's fit: built once, its program runs every N
+(the ``build s`` of a later N is its warm-up call only)."""
+
+
+def model_contenders(size: str, n: int, lr: float = 0.01) -> Any:
+    """Builders for a model size: stepfuse (with and without XLA) against Keras's plain
+    eager loop and a ``tf.function`` of one step; the model runs in training mode (its
+    BatchNormalization statistics update at every step)."""
+    xn, yn = model_data(size)
+    x, y = tf.constant(xn.transpose(0, 2, 3, 1)), tf.constant(yn)  # NCHW -> NHWC
+    sce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def stepfuse(jit):
+        def build():
+            def make():
+                model = keras_cnn()
+                return sf.fuse(
+                    lambda x, y: sce(y, model(x, training=True)),
+                    keras.optimizers.SGD(lr),
+                    model,
+                    steps=MAX_STEPS[size],
+                    jit_compile=jit,
+                )
+
+            fit = _CACHE.get((size, jit, lr))
+            if fit is None:
+                fit = _CACHE[(size, jit, lr)] = make()
+
+            def run(m):
+                return fit(x, y, steps=m)  # returns a host Trace: blocks
+
+            run.fit = fit  # type: ignore[attr-defined]  # its mode goes next to its time
+            return run
+
+        return build
+
+    def one_step(compiled):
+        def build():
+            model = keras_cnn()
+            opt = keras.optimizers.SGD(lr)
+            variables = model.trainable_variables
+
+            def step(x, y):
+                with tf.GradientTape() as tape:
+                    loss = sce(y, model(x, training=True))
+                opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+                return loss
+
+            if compiled:
+                step = tf.function(step)
+
+            def run(m):
+                for _ in range(m):
+                    loss = step(x, y)
+                return float(loss)
+
+            return run
+
+        return build
+
+    builders = {
+        "stepfuse": stepfuse(True),
+        "stepfuse (no XLA)": stepfuse(False),
+        "eager per step": one_step(False),
+        "tf.function per step": one_step(True),
+    }
+    return builders, {name: min(n, cap) for name, cap in MAX_TIMED[size].items()}
+
+
 def contenders(size: str, n: int, lr: float = 0.01) -> Any:
     """Builders (see `stepfuse.bench._timing.measure`) for every TF2 contender on ``size``."""
+    if size in MODEL_SIZES:
+        return model_contenders(size, n, lr)
     layers, xn, yn = problem(size)
     x, y = tf.constant(xn), tf.constant(yn)
 
@@ -81,7 +179,12 @@ def contenders(size: str, n: int, lr: float = 0.01) -> Any:
                 steps=n,
                 jit_compile=jit,
             )
-            return lambda m: fit(x, y, steps=m)  # returns a host Trace: blocks
+
+            def run(m):
+                return fit(x, y, steps=m)  # returns a host Trace: blocks
+
+            run.fit = fit  # type: ignore[attr-defined]  # its mode goes next to its time
+            return run
 
         return build
 

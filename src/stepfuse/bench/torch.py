@@ -10,11 +10,16 @@ fit is built with a capacity that serves every N (one compiled program runs any
 full compile for the first N of a size and only the warm-up call for the others.
 Timing continues the training from where the previous N left off (SGD on these
 problems stays finite for far longer than the benchmark runs).
+
+The model sizes (``cnn``: Conv2d + BatchNorm2d; ``lstm``) time stepfuse against the eager
+loop only; a fit that cannot fuse such a model runs stepwise, and its mode is printed
+next to its time.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 # Small machines: inductor's pool of compile workers would steal the CPU from the
@@ -26,9 +31,20 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from .. import torch as sf  # noqa: E402
-from .problems import problem  # noqa: E402
+from .problems import (  # noqa: E402
+    CNN_CHANNELS,
+    CNN_IMAGE,
+    LSTM_SEQUENCE,
+    LSTM_UNITS,
+    MODEL_CLASSES,
+    model_data,
+    problem,
+)
 
 CONTENDERS = ("stepfuse", "eager per step", "torch.compile of one step")
+MODEL_SIZES = ("cnn", "lstm")
+MODEL_CONTENDERS = ("stepfuse", "eager per step")
+"""The contenders of the model sizes (`stepfuse.bench.problems.MODEL_SIZES`)."""
 
 NOTES = {
     "stepfuse": "stepfuse.torch: one compiled while_loop (inductor, C++ wrapper) per call segment, "
@@ -45,6 +61,8 @@ MAX_TIMED = {  # size -> contender -> at most this many steps per timed call
     "seed": {"eager per step": 100, "torch.compile of one step": 300},
     "mlp": {"stepfuse": 200, "eager per step": 30, "torch.compile of one step": 30},
     "wide": {"stepfuse": 10, "eager per step": 5, "torch.compile of one step": 5},
+    "cnn": {"stepfuse": 100, "eager per step": 30},
+    "lstm": {"stepfuse": 100, "eager per step": 30},
 }
 """Caps on the steps of one timed call, so ``stepfuse bench --quick`` stays short on a
 small CPU (the per-step time is what is compared; the ``N`` column of a result is the
@@ -71,6 +89,95 @@ class MLP(nn.Module):
         return self.linears[-1](x)
 
 
+class CNN(nn.Module):
+    """The ``cnn`` size (`stepfuse.bench.problems`): conv, BatchNorm2d, ReLU, max pool."""
+
+    def __init__(self):
+        super().__init__()
+        blocks: list[nn.Module] = []
+        channels = CNN_IMAGE[0]
+        for out in CNN_CHANNELS:
+            blocks += [
+                nn.Conv2d(channels, out, 3, padding=1, bias=False),
+                nn.BatchNorm2d(out),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+            ]
+            channels = out
+        side = CNN_IMAGE[1] // 2 ** len(CNN_CHANNELS)
+        self.net = nn.Sequential(
+            *blocks, nn.Flatten(), nn.Linear(channels * side * side, MODEL_CLASSES)
+        )
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class LSTMNet(nn.Module):
+    """The ``lstm`` size: an LSTM over the sequence, its last output through a linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(LSTM_SEQUENCE[1], LSTM_UNITS, batch_first=True)
+        self.head = nn.Linear(LSTM_UNITS, MODEL_CLASSES)
+
+    def forward(self, x):
+        out, _ = self.lstm(x)
+        return self.head(out[:, -1])
+
+
+def model_contenders(size: str, n: int, lr: float = 0.01) -> Any:
+    """Builders for a model size: stepfuse against the plain eager loop. The fit is not
+    required to fuse: its mode as it ran is reported with its time (`fit_mode`)."""
+    xn, yn = model_data(size)
+    x, y = torch.from_numpy(xn), torch.from_numpy(yn).long()
+
+    def model():
+        torch.manual_seed(0)
+        return CNN() if size == "cnn" else LSTMNet()
+
+    def stepfuse():
+        def build():
+            net = model()
+            opt = torch.optim.SGD(net.parameters(), lr=lr)
+            with warnings.catch_warnings():  # a fallback's reason is shown as its mode
+                warnings.simplefilter("ignore", RuntimeWarning)
+                fit = sf.fuse(
+                    lambda x, y: F.cross_entropy(net(x), y),
+                    opt,
+                    steps=max(n, FUSED_CAPACITY),
+                    model=net,
+                )
+            return fit
+
+        fit = _cached(("stepfuse", size, lr, None), build)
+
+        def run(m):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                return fit(x, y, steps=m)
+
+        run.fit = fit  # type: ignore[attr-defined]  # its mode goes next to its time
+        return run
+
+    def eager():
+        net = model()
+        opt = torch.optim.SGD(net.parameters(), lr=lr)
+
+        def run(m):
+            for _ in range(m):
+                opt.zero_grad()
+                loss = F.cross_entropy(net(x), y)
+                loss.backward()
+                opt.step()
+            return loss.item()
+
+        return run
+
+    builders = {"stepfuse": stepfuse, "eager per step": eager}
+    return builders, {name: min(n, cap) for name, cap in MAX_TIMED[size].items()}
+
+
 def data(size: str) -> Any:
     """``(layers, x, y)`` of a size as torch tensors (labels int64, as cross_entropy wants)."""
     layers, xn, yn = problem(size)
@@ -89,6 +196,8 @@ def _cached(key, build):
 
 def contenders(size: str, n: int, lr: float = 0.01, chunk: int | None = None) -> Any:
     """Builders (see `stepfuse.bench._timing.measure`) for every PyTorch contender on ``size``."""
+    if size in MODEL_SIZES:
+        return model_contenders(size, n, lr)
     layers, x, y = data(size)
     kw: dict[str, Any] = {} if chunk is None else {"chunk": chunk}
 

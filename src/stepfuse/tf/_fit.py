@@ -57,6 +57,20 @@ __all__ = ["fuse", "Fit"]
 _MIN_STEPS_PER_LAUNCH = 16384
 
 
+def _random_ops(graph_def: Any) -> tuple[str, ...]:
+    """The random-number op types in a graph and its functions (loop bodies, branches).
+
+    XLA implements TensorFlow's random ops with its own generators: the same seed draws
+    other numbers than TensorFlow's kernels do, eagerly or in a plain ``tf.function``
+    (a Keras Dropout layer draws a different mask), so an XLA loop would drift from the
+    plain training loop from its first step."""
+    nodes = list(graph_def.node)
+    for function in graph_def.library.function:
+        nodes += function.node_def
+    marks = ("Random", "Rng", "Multinomial", "TruncatedNormal", "Shuffle")
+    return tuple(sorted({n.op for n in nodes if any(m in n.op for m in marks)}))
+
+
 class Fit:
     """A fused fit: ``fit(*batch, steps=None)`` runs the steps in one ``tf.function`` call.
 
@@ -72,7 +86,7 @@ class Fit:
         with one does: a second program, traced once.
       step: updates applied since the fit was built.
       jit_compile: whether the loop is XLA-compiled (turned off with a warning when an
-        op cannot be).
+        op cannot be, or when the loss draws random numbers).
       variables, optimizer: what the fit trains, and with what.
     """
 
@@ -139,6 +153,7 @@ class Fit:
         # The nesting of the batch the programs were traced for: they take its tensors
         # flat and `_loss_and_grads` packs them back for loss_fn (dicts, tuples ...).
         self._structure = None
+        self._probes: dict[Any, tuple[tf.DType, tuple[str, ...]]] = {}  # see `_probe`
         self._build()
 
     @property
@@ -180,7 +195,7 @@ class Fit:
         key = (program, tuple((a.dtype, tuple(a.shape)) for a in args))
         concrete = self._concrete.get(key)
         if concrete is None:
-            self._trace_dtype = self._loss_dtype(batch)
+            self._trace_dtype = self._probe(batch)[0]
             concrete = self._concrete[key] = program.get_concrete_function(*args)
         call_flat = getattr(concrete, "_call_flat", None)
         # Not recorded by a tape the caller has open: the call updates variables in place
@@ -191,18 +206,41 @@ class Fit:
                 return concrete(*args)
             return call_flat(list(args), concrete.captured_inputs)
 
-    def _loss_dtype(self, batch: Any) -> tf.DType:
-        """The trace's dtype for this batch: float64 for a float64 loss, else float32. Found
-        by tracing the loss alone in a scratch graph (nothing runs), once per batch
+    def _probe(self, batch: Any) -> tuple[tf.DType, tuple[str, ...]]:
+        """``(trace dtype, random ops)`` for this batch: float64 for a float64 loss, else
+        float32; and the types of the random-number ops the loss and its gradients run.
+        Found by tracing the loss alone in a scratch graph (nothing runs), once per batch
         signature, before the program is traced: inside it the loss is known only within
         the loop, after its buffers are made."""
-        specs = [tf.TensorSpec(b.shape, b.dtype) for b in batch]
-        loss = (
-            tf.function(lambda *b: self._loss_and_grads(b)[0], autograph=False)
-            .get_concrete_function(*specs)
-            .structured_outputs
+        key = tuple((b.dtype, tuple(b.shape)) for b in batch)  # (cleared with the structure)
+        found = self._probes.get(key)
+        if found is None:
+            specs = [tf.TensorSpec(b.shape, b.dtype) for b in batch]
+            concrete = tf.function(
+                lambda *b: self._loss_and_grads(b)[0], autograph=False
+            ).get_concrete_function(*specs)
+            loss = concrete.structured_outputs
+            dtype = tf.float64 if loss.dtype.base_dtype == tf.float64 else tf.float32
+            found = self._probes[key] = (dtype, _random_ops(concrete.graph.as_graph_def()))
+        return found
+
+    def _avoid_xla_for_random_ops(self, batch: Any) -> None:
+        """Run without XLA when the loss draws random numbers (see `_random_ops`)."""
+        ops = self._probe(batch)[1] if self.jit_compile else ()
+        if not ops:
+            return
+        warnings.warn(
+            "stepfuse.tf: loss_fn draws random numbers (ops: "
+            f"{', '.join(ops)}; e.g. Dropout), and XLA draws other numbers than "
+            "TensorFlow's own kernels from the same seeds, so an XLA-compiled loop would not "
+            "train as the plain loop (GradientTape + apply_gradients) does. The fit runs its "
+            "loop without XLA (fit.jit_compile is now False; slower). Pass jit_compile=False "
+            "to silence this.",
+            RuntimeWarning,
+            stacklevel=3,
         )
-        return tf.float64 if loss.dtype.base_dtype == tf.float64 else tf.float32
+        self.jit_compile = False
+        self._build()
 
     def _loss_and_grads(self, batch):
         batch = tf.nest.pack_sequence_as(self._structure, list(batch))
@@ -327,11 +365,13 @@ class Fit:
             if self._structure is not None:
                 self._build()
             self._structure = structure
+            self._probes.clear()
         if _learning_rate_of(self.optimizer) is not self._learning_rate:
             # `optimizer.learning_rate = schedule` (or a callable) replaces the variable the
             # programs read: trace them again (assigning a float writes into the variable).
             self._learning_rate = _learning_rate_of(self.optimizer)
             self._build()
+        self._avoid_xla_for_random_ops(batch)
         if self.opts.mode == "stepwise":
             return self._call_stepwise(batch, n, start)
         self._callback_error, self._notified_step = None, None
@@ -496,8 +536,10 @@ def fuse(
         ``tf.Module`` or a built Keras model (its ``trainable_variables``).
       {options}
       jit_compile: XLA-compile the step loop (default), and the stepwise mode's step (so
-        random ops draw what the fused loop draws). If an op can't be compiled, the first
-        call warns and falls back to a plain ``tf.function``.
+        both draw alike). If an op can't be compiled, the first call warns and falls back
+        to a plain ``tf.function``. A loss with random ops (Dropout) runs without XLA, with
+        a warning: XLA draws other numbers than TensorFlow's kernels from the same seed,
+        and the fit draws what the plain GradientTape loop draws.
 
     Returns:
       a `Fit`; ``trace = fit(*batch, steps=None)`` updates the variables and the optimizer
