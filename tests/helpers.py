@@ -16,6 +16,7 @@ nested in dicts, lists, tuples and NamedTuples).
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -27,6 +28,7 @@ from stepfuse.problems import SEED_LR, blobs, mlp_init, perceptron_init
 __all__ = [
     "ATOL",
     "BACKENDS",
+    "CATALOGUES",
     "OPTIMIZERS",
     "PROBLEMS",
     "RTOL",
@@ -123,6 +125,64 @@ OPTIMIZERS: dict[str, dict[str, Callable[..., Any]]] = {
             params, lr=0.01, momentum=0.5, centered=True
         ),
         "adagrad": lambda params: _torch_optim().Adagrad(params, lr=0.1),
+    },
+}
+
+
+# The backends' own test catalogues (wider than the shared names above): test_jax.py,
+# test_tf.py and test_tf_v1.py parametrize over them.
+CATALOGUES: dict[str, dict[str, Callable[..., Any]]] = {
+    "jax": {
+        "sgd": lambda: _optax().sgd(0.05),
+        "sgd_momentum": lambda: _optax().sgd(0.05, momentum=0.9),
+        "sgd_nesterov": lambda: _optax().sgd(0.05, momentum=0.9, nesterov=True),
+        "adam": lambda: _optax().adam(0.01),
+        "adamw": lambda: _optax().adamw(0.01, weight_decay=0.1),
+        "adam_cosine_schedule": lambda: _optax().adam(_optax().cosine_decay_schedule(0.02, 40)),
+        "sgd_exponential_schedule": lambda: _optax().sgd(_optax().exponential_decay(0.1, 5, 0.7)),
+        # optax's GradientTransformationExtraArgs that read the loss, re-evaluate it or its gradient
+        "lbfgs": lambda: _optax().lbfgs(),
+        "adam_reduce_on_plateau": lambda: _optax().chain(
+            _optax().adam(0.05),
+            _optax().contrib.reduce_on_plateau(factor=0.5, patience=1, rtol=0.2),
+        ),
+        "polyak_sgd": lambda: _optax().polyak_sgd(max_learning_rate=0.5),
+        "sgd_backtracking_linesearch": lambda: _optax().chain(
+            _optax().sgd(2.0), _optax().scale_by_backtracking_linesearch(max_backtracking_steps=15)
+        ),
+        "sam": lambda: _optax().contrib.sam(_optax().sgd(0.1), _optax().sgd(0.05), sync_period=3),
+        # a wrapper, not a GradientTransformation: accumulates 3 gradients per update
+        "multi_steps_adam": lambda: _optax().MultiSteps(_optax().adam(0.05), every_k_schedule=3),
+        # sam inside a chain, which hands every extra argument to it (sam takes grad_fn only)
+        "clip_sam": lambda: _optax().chain(
+            _optax().clip_by_global_norm(1.0),
+            _optax().contrib.sam(_optax().sgd(0.1), _optax().sgd(0.05), sync_period=3),
+        ),
+        # states holding inf from the start: reduce_on_plateau's best value until its first
+        # average of 3 losses; an injected max_norm=inf
+        "adam_reduce_on_plateau_every_3": lambda: _optax().chain(
+            _optax().adam(0.05),
+            _optax().contrib.reduce_on_plateau(
+                factor=0.5, patience=1, rtol=0.2, accumulation_size=3
+            ),
+        ),
+        "sgd_clip_inf": lambda: _optax().chain(
+            _optax().inject_hyperparams(_optax().clip_by_global_norm)(max_norm=math.inf),
+            _optax().sgd(0.1),
+        ),
+    },
+    "tf2": {
+        "sgd": lambda: _keras().optimizers.SGD(SEED_LR),
+        "sgd_momentum_nesterov": lambda: _keras().optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+        "adam": lambda: _keras().optimizers.Adam(0.05),
+        "adamw": lambda: _keras().optimizers.AdamW(0.05, weight_decay=0.01),
+        "rmsprop": lambda: _keras().optimizers.RMSprop(0.01, momentum=0.5),
+    },
+    "tf1": {
+        "gd": lambda: _tf1().train.GradientDescentOptimizer(0.01),
+        "momentum_nesterov": lambda: _tf1().train.MomentumOptimizer(0.05, 0.9, use_nesterov=True),
+        "adam": lambda: _tf1().train.AdamOptimizer(0.05),
+        "rmsprop": lambda: _tf1().train.RMSPropOptimizer(0.01, momentum=0.5),
     },
 }
 

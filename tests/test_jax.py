@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_tol_stops_where_the_recorded_losses_say
+from helpers import ATOL, CATALOGUES, RTOL, assert_tol_stops_where_the_recorded_losses_say
 
 import stepfuse.jax as sf
 from stepfuse import NonFiniteError, Stop
@@ -16,7 +16,6 @@ from stepfuse.bench.jax import mlp_loss  # a tanh MLP with softmax cross-entropy
 from stepfuse.problems import blobs, mlp_init, perceptron_init
 
 X, Y = blobs()
-RTOL, ATOL = 1e-6, 1e-7
 
 
 def perceptron_loss(params, x, y):
@@ -28,41 +27,7 @@ PROBLEMS = {
     "perceptron": (perceptron_loss, perceptron_init),
     "mlp": (mlp_loss, lambda: mlp_init((2, 16, 2))),
 }
-OPTIMIZERS = {
-    "sgd": lambda: optax.sgd(0.05),
-    "sgd_momentum": lambda: optax.sgd(0.05, momentum=0.9),
-    "sgd_nesterov": lambda: optax.sgd(0.05, momentum=0.9, nesterov=True),
-    "adam": lambda: optax.adam(0.01),
-    "adamw": lambda: optax.adamw(0.01, weight_decay=0.1),
-    "adam_cosine_schedule": lambda: optax.adam(optax.cosine_decay_schedule(0.02, 40)),
-    "sgd_exponential_schedule": lambda: optax.sgd(optax.exponential_decay(0.1, 5, 0.7)),
-    # optax's GradientTransformationExtraArgs that read the loss, re-evaluate it or its gradient
-    "lbfgs": lambda: optax.lbfgs(),
-    "adam_reduce_on_plateau": lambda: optax.chain(
-        optax.adam(0.05), optax.contrib.reduce_on_plateau(factor=0.5, patience=1, rtol=0.2)
-    ),
-    "polyak_sgd": lambda: optax.polyak_sgd(max_learning_rate=0.5),
-    "sgd_backtracking_linesearch": lambda: optax.chain(
-        optax.sgd(2.0), optax.scale_by_backtracking_linesearch(max_backtracking_steps=15)
-    ),
-    "sam": lambda: optax.contrib.sam(optax.sgd(0.1), optax.sgd(0.05), sync_period=3),
-    # a wrapper, not a GradientTransformation: accumulates 3 gradients per update
-    "multi_steps_adam": lambda: optax.MultiSteps(optax.adam(0.05), every_k_schedule=3),
-    # sam inside a chain, which hands every extra argument to it (sam takes grad_fn only)
-    "clip_sam": lambda: optax.chain(
-        optax.clip_by_global_norm(1.0),
-        optax.contrib.sam(optax.sgd(0.1), optax.sgd(0.05), sync_period=3),
-    ),
-    # states holding inf from the start: reduce_on_plateau's best value until its first
-    # average of 3 losses; an injected max_norm=inf
-    "adam_reduce_on_plateau_every_3": lambda: optax.chain(
-        optax.adam(0.05),
-        optax.contrib.reduce_on_plateau(factor=0.5, patience=1, rtol=0.2, accumulation_size=3),
-    ),
-    "sgd_clip_inf": lambda: optax.chain(
-        optax.inject_hyperparams(optax.clip_by_global_norm)(max_norm=jnp.inf), optax.sgd(0.1)
-    ),
-}
+OPTIMIZERS = CATALOGUES["jax"]
 # What the reference passes to `update` beyond (grads, state, params), as optax's docs call
 # each of them; stepfuse must give at least these, with these values.
 EXTRA_ARGS = {

@@ -8,7 +8,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_tol_stops_where_the_recorded_losses_say
+from helpers import CATALOGUES, assert_tol_stops_where_the_recorded_losses_say
 from tf_helpers import LN2, seed_data, seed_graph, sparse_ce
 
 import stepfuse.tf.v1 as v1
@@ -17,12 +17,7 @@ from stepfuse import Stop
 tf1 = tf.compat.v1
 XS, YS = seed_data()
 
-V1_OPTIMIZERS = {
-    "gd": lambda: tf1.train.GradientDescentOptimizer(0.01),
-    "momentum_nesterov": lambda: tf1.train.MomentumOptimizer(0.05, 0.9, use_nesterov=True),
-    "adam": lambda: tf1.train.AdamOptimizer(0.05),
-    "rmsprop": lambda: tf1.train.RMSPropOptimizer(0.01, momentum=0.5),
-}
+V1_OPTIMIZERS = CATALOGUES["tf1"]
 
 
 def feed(x, y):

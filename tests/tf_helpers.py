@@ -5,19 +5,14 @@ import math
 import keras
 import numpy as np
 import tensorflow as tf
+from helpers import CATALOGUES
 
 from stepfuse.problems import SEED_LR, blobs, mlp_init, perceptron_init
 
 tf1 = tf.compat.v1
 LN2 = math.log(2.0)
 
-OPTIMIZERS = {
-    "sgd": lambda: keras.optimizers.SGD(SEED_LR),
-    "sgd_momentum_nesterov": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
-    "adam": lambda: keras.optimizers.Adam(0.05),
-    "adamw": lambda: keras.optimizers.AdamW(0.05, weight_decay=0.01),
-    "rmsprop": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5),
-}
+OPTIMIZERS = CATALOGUES["tf2"]
 
 
 def seed_data():
