@@ -68,8 +68,10 @@ def _foreign_optimizers():
 
 
 def _frozen_param_optimizer(model):
+    # Frozen parameters among trainable ones are skipped as torch.optim skips them; an
+    # optimizer with nothing to train is refused.
     frozen = torch.zeros(2, requires_grad=False)
-    return torch.optim.SGD([*model.parameters(), frozen], lr=0.1)
+    return torch.optim.SGD([frozen], lr=0.1)
 
 
 def _int_param_optimizer(model):
@@ -121,6 +123,8 @@ CASES = [
     ("mode='fast'", fuse_kw(mode="fast"), ValueError, "mode"),
     ("model='net'", fuse_kw(model="net"), TypeError, "model"),
     ("chunk=0", fuse_kw(chunk=0), ValueError, "chunk"),
+    ("clip_grad_norm=0", fuse_kw(clip_grad_norm=0.0), ValueError, "clip_grad_norm"),
+    ("clip_grad_value='1'", fuse_kw(clip_grad_value="1"), TypeError, "clip_grad_value"),
     ("loss_fn=3", lambda m, o, f: sf.fuse(3, o, steps=3), TypeError, "loss_fn"),
     # -- optimizers and parameters, refused by fuse() ----------------------------------------
     *[
@@ -132,7 +136,7 @@ CASES = [
         )
         for name, mk in _foreign_optimizers()
     ],
-    ("param requires_grad=False", fuse_opt(_frozen_param_optimizer), ValueError, "optimizer"),
+    ("every param requires_grad=False", fuse_opt(_frozen_param_optimizer), ValueError, "optimizer"),
     ("param of integer dtype", fuse_opt(_int_param_optimizer), TypeError, "optimizer"),
     # -- the loss, refused by the first call before any step ----------------------------------
     (

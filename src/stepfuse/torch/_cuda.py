@@ -19,7 +19,7 @@ from torch.utils import _pytree
 
 from .._core import ceil_div
 from ._probe import interrupt_inside
-from ._program import Body, Carry, Result, outcome
+from ._program import CHUNK_OPTIONS, Body, Carry, Result, outcome, traceable
 
 __all__ = ["GRAPH_CHUNKS", "build_graphs", "cuda_graphs", "run_graphs"]
 
@@ -57,6 +57,7 @@ def build_graphs(
     cap: int,
     params: Sequence[torch.Tensor],
     states: Sequence[torch.Tensor],
+    buffers: Sequence[torch.Tensor],
     batch: tuple,
     prev: torch.Tensor,
 ) -> types.SimpleNamespace:
@@ -79,6 +80,7 @@ def build_graphs(
         ceil_div(cap, spec.record_every) + 2,
         [p.detach().clone() for p in params],
         [v.detach().to(dev).clone() for v in states],
+        [b.detach().clone() for b in buffers],
     )
     s.state_cpu = [v.device.type == "cpu" for v in states]
 
@@ -94,14 +96,16 @@ def build_graphs(
     args = (s.n, s.i0, s.base, s.batch, s.code, s.applied, *s.carry.flat())
     s.n.fill_(0)  # warm-up runs change nothing
     try:
-        compiled = compile(run_chunk, "chunk", {})
-        s.graphs = cuda_graphs(lambda: compiled(*args), dev, (1, GRAPH_CHUNKS))
+        compiled = compile(run_chunk, "chunk", CHUNK_OPTIONS)
+        with traceable(spec.rnn):
+            s.graphs = cuda_graphs(lambda: compiled(*args), dev, (1, GRAPH_CHUNKS))
         s.fused_kernels, s.compile_error = True, None
     except Exception as e:  # noqa: BLE001 - inductor cannot take this model: capture eagerly
         if interrupt_inside(e) is not None or not eager_ok:
             raise
-        s.graphs = cuda_graphs(lambda: run_chunk(*args), dev, (1, GRAPH_CHUNKS))
-        s.fused_kernels, s.compile_error = False, f"{type(e).__name__}: {e}"[:2000]
+        with traceable(spec.rnn):
+            s.graphs = cuda_graphs(lambda: run_chunk(*args), dev, (1, GRAPH_CHUNKS))
+        s.fused_kernels, s.compile_error = False, f"{type(e).__name__}: {e}"
     return s
 
 
@@ -114,6 +118,7 @@ def run_graphs(
     prev: torch.Tensor,
     params: Sequence[torch.Tensor],
     states: Sequence[torch.Tensor],
+    buffers: Sequence[torch.Tensor],
     batch: tuple,
 ) -> Result:
     """One segment of up to ``n`` steps on the captured graphs (a `Result`)."""
@@ -123,7 +128,7 @@ def run_graphs(
         if isinstance(dst, torch.Tensor):
             dst.copy_(src)
     c: Carry = s.carry
-    for dst, src in zip(c.params + c.states, list(params) + list(states)):
+    for dst, src in zip(c.params + c.states + c.buffers, [*params, *states, *buffers]):
         dst.copy_(src)
     s.n.fill_(n)
     s.i0.fill_(i0)

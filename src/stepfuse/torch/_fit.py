@@ -40,7 +40,6 @@ from .._core import (
     check_int,
     check_options,
     deferred_interrupts,
-    fail,
     finish,
     host_trace,
     n_recorded,
@@ -52,7 +51,12 @@ from . import _cuda, _program
 from ._probe import (
     BatchError,
     Resolved,
+    Trainable,
     build_failure,
+    check_arguments,
+    check_clip,
+    check_draws,
+    check_params_unchanged,
     find_modules,
     hold_buffers,
     hooks_reason,
@@ -95,6 +99,7 @@ class Fit:
         opts: Options,
         model: nn.Module | None,
         chunk: int,
+        clip: tuple[float | None, float | None] = (None, None),
     ):
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -105,6 +110,9 @@ class Fit:
         self.fallback_reason: str | None = None
         self.mode = opts.mode
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._clip = clip
+        self._random_ops: tuple[str, ...] | None = None  # set when loss_fn draws (dropout)
+        self._verified: set[tuple] = set()  # programs whose first step drew as eagerly
         self._probed: set[tuple] = set()
         self._loss_dtype = torch.float32
         self._program: Any = None
@@ -113,9 +121,9 @@ class Fit:
         self._resolved: Resolved | None = None
         self._modules = [model] if model is not None else find_modules(loss_fn)
         self._rule = RULES.get(type(optimizer))
-        self._state = StateLayout(
-            optimizer, self._params, self._rule.keys if self._rule else lambda g: ()
-        )
+        self._train = self._params  # those that require grad (`_read_trainable`)
+        self._mask = tuple(True for _ in self._params)
+        self._state = self._layout()
         self._needs_closure = needs_closure(optimizer)
         if self.mode == "fused":
             got = resolve(
@@ -125,6 +133,25 @@ class Fit:
                 self._fall_back(got)
             else:
                 self._resolved = got
+        self._rnn = self._resolved is not None and self._resolved.rnn
+
+    def _layout(self) -> StateLayout:
+        """The state layout of the parameters that require grad (torch skips the others)."""
+        keys = self._rule.keys if self._rule else lambda g: ()
+        return StateLayout(Trainable(self.optimizer), self._train, keys)  # type: ignore[arg-type]
+
+    def _read_trainable(self) -> None:
+        """Which parameters require grad now: a program serves one such set."""
+        mask = tuple(p.requires_grad for p in self._params)
+        if mask != self._mask:
+            self._mask = mask
+            self._train = [p for p, m in zip(self._params, mask) if m]
+            self._state = self._layout()
+
+    def _buffers(self) -> list[torch.Tensor]:
+        """The modules' buffers the fused program carries (`_program.Body.buffers`)."""
+        assert self._resolved is not None
+        return [self._resolved.wrapper.get_buffer(n) for n in self._resolved.buffers]
 
     def _fall_back(self, reason: str) -> None:
         self.mode, self.fallback_reason = "stepwise", reason
@@ -142,16 +169,19 @@ class Fit:
         r = self._resolved
         return _program.Body(
             r.wrapper,
-            tuple(r.names),
+            tuple(n for n, m in zip(r.names, self._mask) if m),
             tuple(r.others),
             self._rule.update,
             [(sl, keys, hyper(g)) for g, sl, keys in self._state.groups()],
             self.chunk,
             self.opts.record_every,
             self.opts.tol,
-            len(self._params),
+            len(self._train),
             capturable,
             _program.met_of(self.opts.tol, self._loss_dtype),
+            r.buffers,
+            *self._clip,
+            self._rnn,
         )
 
     def _compile(self, fn: Callable, kind: str, inductor_options: dict[str, Any]) -> Callable:
@@ -160,7 +190,8 @@ class Fit:
         def count() -> None:
             self.compiles += 1
 
-        return _program.compile_fn(fn, f"stepfuse_{kind}_{id(self):x}", inductor_options, count)
+        options = {**inductor_options, **(self._rule.inductor if self._rule else {})}  # Muon's
+        return _program.compile_fn(fn, f"stepfuse_{kind}_{id(self):x}", options, count)
 
     def _build(
         self,
@@ -170,6 +201,7 @@ class Fit:
         prev: torch.Tensor,
     ) -> Any:
         """Build (compile / capture) the program for this batch and hyper-parameters."""
+        buffers = [b.detach() for b in self._buffers()]
         if self._cuda:
             assert self._rule is not None
             s = _cuda.build_graphs(
@@ -179,6 +211,7 @@ class Fit:
                 self._cap,
                 params,
                 states,
+                buffers,
                 batch,
                 prev,
             )
@@ -187,8 +220,9 @@ class Fit:
             return s
         program = _program.build_program(self._body(capturable=False), self._compile)
         # n=0: compiles without running a step; nothing changes.
+        re = self.opts.record_every
         _program.run_program(
-            program, self._cap, self.opts.record_every, 0, 0, prev, params, states, tuple(batch)
+            program, self._cap, re, 0, 0, prev, params, states, buffers, tuple(batch), self._rnn
         )
         return program
 
@@ -204,7 +238,7 @@ class Fit:
         A build that fails for a reason outside the model (`stepfuse.torch._probe.transient`) is tried again
         before the fit falls back; a fallback's reason holds the whole error.
         """
-        key = (self._hyper_key(), _program.batch_key(batch))
+        key = (self._hyper_key(), _program.batch_key(batch), self._mask)
         if self._program is not None and self._program_key == key:
             return
         if key in self._captured:
@@ -221,7 +255,7 @@ class Fit:
                 RuntimeWarning,
                 stacklevel=3,
             )
-        params = [p.detach() for p in self._params]
+        params = [p.detach() for p in self._train]
         states = self._state.tensors(placeholder=True)
         prev = torch.tensor(math.nan, dtype=self._loss_dtype, device=params[0].device)
         self._program = None
@@ -269,7 +303,8 @@ class Fit:
           The call's `stepfuse.Trace` (losses before each update, updates applied, stop).
         """
         n = check_call_steps(steps, self.opts, capped=False)
-        self._check_params_unchanged()
+        check_params_unchanged(self.optimizer, self._params)
+        self._read_trainable()
         grads_before = [p.grad for p in self._params]
         snap = snapshot(self.optimizer, self._params)
         before = [p.detach().clone() for p in self._params]
@@ -281,8 +316,10 @@ class Fit:
         start = self.step
         if self.mode == "fused":
             self._ensure_program(batch)
+        # A fit whose loss draws runs a call fused once its program drew as eagerly.
+        eager = self.mode == "stepwise" or not self._draws_verified(batch)
         try:
-            if self.mode == "stepwise":
+            if eager:
                 trace = self._call_stepwise(batch, n, start)
             else:
                 trace = self._call_fused(batch, n, start)
@@ -307,7 +344,7 @@ class Fit:
         )
         if sig in self._probed:
             return
-        got = probe_loss(self.loss_fn, self._params, self._modules, batch)
+        got = probe_loss(self.loss_fn, self._train, self._modules, batch)
         self._loss_dtype = got.dtype
         if got.unused and self.mode == "fused":
             # The plain loop skips a parameter without a gradient (no weight decay, no
@@ -322,27 +359,24 @@ class Fit:
             # call's last one: with random draws (dropout) those would advance the random
             # state past the plain loop's. One step a chunk draws exactly what the steps run.
             self.chunk = 1
+        if got.draws:
+            self._random_ops = (*(self._random_ops or ()), *got.random_ops)
         self._probed.add(sig)
 
-    def _check_params_unchanged(self) -> None:
-        """Refuse a call after the optimizer's parameters changed (``add_param_group``) or
-        one was frozen (``requires_grad_(False)``) since `fuse`: the fit would still update
-        the parameters it was built for."""
-        now = [p for g in self.optimizer.param_groups for p in g["params"]]
-        if len(now) != len(self._params) or any(a is not b for a, b in zip(now, self._params)):
-            raise ValueError(
-                f"`optimizer` holds other parameters than when the fit was built ({len(now)} "
-                f"tensors now, {len(self._params)} then: add_param_group or a changed group?). "
-                "Build a new fit with sf.fuse(loss_fn, optimizer, ...) (nothing was run or changed)."
-            )
-        frozen = [i for i, p in enumerate(self._params) if not p.requires_grad]
-        if frozen:
-            p = self._params[frozen[0]]
-            raise ValueError(
-                f"`optimizer` parameter {frozen[0]} (shape {tuple(p.shape)}) was set to "
-                "requires_grad=False after the fit was built. Leave frozen parameters out of the "
-                "optimizer and build a new fit (nothing was run or changed)."
-            )
+    def _draws_verified(self, batch: tuple) -> bool:
+        """Whether the fused program may run this call (`_probe.check_draws`)."""
+        if self.mode != "fused" or self._random_ops is None:
+            return True
+        if self._program_key in self._verified:
+            return True
+        got = check_draws(self, batch)
+        if isinstance(got, str):
+            self._fall_back(got)
+            return False
+        if got:
+            assert self._program_key is not None
+            self._verified.add(self._program_key)
+        return got
 
     # stepwise: the optimizer's own step(), eagerly -------------------------------------------
 
@@ -353,6 +387,11 @@ class Fit:
                 p.grad = None
             loss = self.loss_fn(*batch)
             loss.backward()
+        norm, value = self._clip  # between backward() and step(), as a plain loop clips
+        if norm is not None:
+            torch.nn.utils.clip_grad_norm_(self._params, norm)
+        if value is not None:
+            torch.nn.utils.clip_grad_value_(self._params, value)
         return loss.detach()
 
     def _propose(self, batch: tuple) -> tuple[np.generic, bool, Any]:
@@ -413,15 +452,16 @@ class Fit:
 
     def _segment(self, n: int, i0: int, prev: torch.Tensor, batch: tuple) -> _program.Result:
         """Up to ``n`` steps on the program, from step ``i0`` of the call."""
-        params = [p.detach() for p in self._params]
+        params = [p.detach() for p in self._train]
         states = self._state.tensors(placeholder=False)
-        re = self.opts.record_every
+        buffers = [b.detach() for b in self._buffers()]
+        re, b = self.opts.record_every, tuple(batch)
         if self._cuda:
             return _cuda.run_graphs(
-                self._program, self.chunk, re, n, i0, prev, params, states, tuple(batch)
+                self._program, self.chunk, re, n, i0, prev, params, states, buffers, b
             )
         return _program.run_program(
-            self._program, self._cap, re, n, i0, prev, params, states, tuple(batch)
+            self._program, self._cap, re, n, i0, prev, params, states, buffers, b, self._rnn
         )
 
     def _call_fused(self, batch: tuple, n: int, start: int) -> Trace:
@@ -464,6 +504,7 @@ class Fit:
                 )
                 with deferred_interrupts():  # parameters, state and step move together
                     self._state.write_back(out.carry.params, out.carry.states)
+                    put_back(zip(self._buffers(), out.carry.buffers))
                     self.step += applied
                 i += evaluated
                 prev = flow.last
@@ -511,14 +552,17 @@ def fuse(
     on_nonfinite: str = "stop",
     mode: str = "fused",
     chunk: int = _DEFAULT_CHUNK,
+    clip_grad_norm: float | None = None,
+    clip_grad_value: float | None = None,
 ) -> Fit:
     """Build a fused fit that runs ``steps`` ``torch.optim`` updates per call.
 
     Args:
       loss_fn: ``loss_fn(*batch) -> scalar tensor``; it uses the model (e.g. a closure).
       optimizer: a ``torch.optim.Optimizer`` over the model's parameters. The fused mode
-        runs SGD, Adam, AdamW, RMSprop and Adagrad with torch's own update functions;
-        others run stepwise.
+        runs every ``torch.optim`` optimizer but Adafactor, LBFGS and SparseAdam with
+        torch's own update functions; those, and optimizers from elsewhere, run stepwise
+        with a warning that says why.
       model: the ``nn.Module`` holding the parameters; found automatically when
         ``loss_fn`` closes over it (or reads it as a global).
       {options}
@@ -529,6 +573,10 @@ def fuse(
         ``loss_fn`` that draws random numbers (dropout) runs with ``chunk=1``: every step
         of a chunk runs its forward pass, so the masked steps after a call's last one
         would draw masks the plain loop never draws. Default 4.
+      clip_grad_norm: clip the gradients at each step as ``torch.nn.utils.clip_grad_norm_(
+        params, clip_grad_norm)`` between ``backward()`` and ``step()`` (both modes).
+      clip_grad_value: likewise ``clip_grad_value_(params, clip_grad_value)`` (after the
+        norm's clipping where both are given). None (default): no clipping.
 
     Returns:
       A `Fit`; ``trace = fit(*batch, steps=None)``.
@@ -543,56 +591,10 @@ def fuse(
     opts = check_options(
         steps, tol, record_every, callback, every, progress, on_nonfinite, mode, modes=_MODES
     )
-    if not callable(loss_fn):
-        fail(
-            TypeError,
-            "loss_fn",
-            loss_fn,
-            "callable as loss_fn(*batch) -> scalar tensor",
-            "Pass a function such as lambda x, y: F.cross_entropy(model(x), y).",
-        )
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        fail(
-            TypeError,
-            "optimizer",
-            optimizer,
-            "a torch.optim.Optimizer",
-            "Build one over the model's parameters, e.g. torch.optim.SGD(model.parameters(), lr=0.01) "
-            "(optax / keras optimizers belong to stepfuse.jax / stepfuse.tf).",
-        )
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if not params:
-        fail(
-            ValueError,
-            "optimizer",
-            optimizer,
-            "an optimizer with parameters",
-            "Pass model.parameters() to the optimizer.",
-        )
-    for p in params:
-        if not isinstance(p, torch.Tensor) or not p.is_floating_point():
-            fail(
-                TypeError,
-                "optimizer",
-                f"a parameter of dtype {getattr(p, 'dtype', type(p))}",
-                "an optimizer over floating-point parameters",
-                "Use float parameters (e.g. torch.float32); integer tensors cannot be trained.",
-            )
-        if not p.requires_grad:
-            fail(
-                ValueError,
-                "optimizer",
-                f"a parameter of shape {tuple(p.shape)} with requires_grad=False",
-                "an optimizer over parameters that require grad",
-                "Set p.requires_grad_(True) or leave frozen parameters out of the optimizer.",
-            )
-    if model is not None and not isinstance(model, nn.Module):
-        fail(
-            TypeError,
-            "model",
-            model,
-            "a torch.nn.Module or None",
-            "Pass the module whose parameters the optimizer holds, or omit `model`.",
-        )
+    check_arguments(loss_fn, optimizer, model)
+    clip = (
+        check_clip(clip_grad_norm, "clip_grad_norm"),
+        check_clip(clip_grad_value, "clip_grad_value"),
+    )
     chunk = check_int(chunk, "chunk", "Pass the steps per compiled loop iteration, e.g. chunk=4.")
-    return Fit(loss_fn, optimizer, opts, model, chunk)
+    return Fit(loss_fn, optimizer, opts, model, chunk, clip)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import inspect
+import math
+import numbers
 import subprocess
 import traceback
 from collections.abc import Callable, Sequence
@@ -17,16 +19,25 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._core import fail
-from ._rules import HANDLED, IGNORED_GROUP_KEYS, SUPPORTED_OPTIMIZERS, Rule
-from ._state import put_back
+from ._rules import HANDLED, IGNORED_GROUP_KEYS, SUPPORTED_OPTIMIZERS, Rule, refusal
+from ._state import put_back, restore, snapshot
 
 __all__ = [
     "BatchError",
     "Probed",
     "Resolved",
+    "Trainable",
     "build_failure",
+    "check_clip",
+    "check_draws",
+    "check_arguments",
+    "check_params_unchanged",
+    "cuda_devices",
+    "draws_mismatch",
+    "error_text",
     "find_modules",
     "hold_buffers",
     "hooks_reason",
@@ -34,6 +45,8 @@ __all__ = [
     "needs_closure",
     "probe_loss",
     "resolve",
+    "rng_states",
+    "set_rng_states",
     "transient",
 ]
 
@@ -94,6 +107,10 @@ class Resolved(NamedTuple):
     wrapper: nn.Module
     names: list[str]
     others: list[str]
+    buffers: tuple[str, ...] = ()
+    """Names of the modules' buffers (carried through the fused loop)."""
+    rnn: bool = False
+    """Whether the modules hold recurrent layers (`stepfuse.torch._program.traceable`)."""
 
 
 def resolve(
@@ -106,7 +123,7 @@ def resolve(
 ) -> Resolved | str:
     """What the fused program needs to run ``optimizer``, or why it cannot (a reason)."""
     if rule is None:
-        return (
+        return refusal(optimizer) or (
             f"{type(optimizer).__name__} has no fused update rule here (supported: "
             f"{', '.join(SUPPORTED_OPTIMIZERS)})."
         )
@@ -137,7 +154,9 @@ def resolve(
         for name, p in wrapper.named_parameters()  # one name per tensor
         if id(p) not in held and p.requires_grad
     ]
-    return Resolved(wrapper, [names[id(p)] for p in params], others)
+    buffers = tuple(n for n, _ in wrapper.named_buffers())
+    rnn = any(isinstance(m, nn.RNNBase) for m in wrapper.modules())
+    return Resolved(wrapper, [names[id(p)] for p in params], others, buffers, rnn)
 
 
 def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
@@ -166,16 +185,30 @@ def build_failure(error: Exception) -> str:
     its chain of causes included (torch wraps inductor's in dynamo's), never just its
     first line, so a failure that is not the model's (a full disk, a compiler killed by
     the OS) can be told from one that is."""
+    return (
+        f"the fused program could not be built: {error_text(error)}\n"
+        "(pass mode='stepwise' to silence this warning)"
+    )
+
+
+def error_text(error: BaseException) -> str:
+    """An error's whole text with its chain of causes: ``__cause__`` and also a context
+    torch re-raised ``from None`` (dynamo's "RuntimeError when making fake tensor call"
+    keeps torch's own error, the real cause, only there)."""
     text = "".join(traceback.format_exception_only(type(error), error)).strip()
-    cause = getattr(error, "inner_exception", None) or error.__cause__
     seen = {id(error)}
+    cause = _cause_of(error)
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
         inner = "".join(traceback.format_exception_only(type(cause), cause)).strip()
         if inner not in text:
             text += f"\n  caused by {inner}"
-        cause = getattr(cause, "inner_exception", None) or cause.__cause__
-    return f"the fused program could not be built: {text}\n(pass mode='stepwise' to silence this warning)"
+        cause = _cause_of(cause)
+    return text
+
+
+def _cause_of(error: BaseException) -> BaseException | None:
+    return getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
 
 
 def hooks_reason(
@@ -220,9 +253,36 @@ def hold_buffers(modules: Sequence[nn.Module]) -> list[tuple[torch.Tensor, torch
     return [(b, b.detach().clone()) for b in buffers.values()]
 
 
-def _rng_states(cuda: Sequence[int]) -> list[torch.Tensor]:
+def rng_states(cuda: Sequence[int]) -> list[torch.Tensor]:
     """torch's random states: the CPU generator's and those of the given CUDA devices."""
     return [torch.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in cuda]
+
+
+def set_rng_states(cuda: Sequence[int], states: Sequence[torch.Tensor]) -> None:
+    """Set the random states `rng_states` read."""
+    torch.set_rng_state(states[0])
+    for d, st in zip(cuda, states[1:]):
+        torch.cuda.set_rng_state(st, d)
+
+
+def cuda_devices(tensors: Sequence[Any]) -> list[int]:
+    """The CUDA devices of the tensors among ``tensors``."""
+    return sorted(
+        {t.device.index or 0 for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda}
+    )
+
+
+class _RandomOps(TorchDispatchMode):
+    """Records the random ops (torch's ``nondeterministic_seeded`` tag) a forward runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in func.tags and str(func) not in self.ops:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 class Probed(NamedTuple):
@@ -234,6 +294,8 @@ class Probed(NamedTuple):
     """Optimizer parameters without a gradient on this batch."""
     draws: bool
     """Whether the forward drew random numbers (dropout)."""
+    random_ops: tuple[str, ...] = ()
+    """The random aten ops it ran (names, for a fallback reason)."""
 
 
 def probe_loss(
@@ -264,21 +326,21 @@ def probe_loss(
     # The probe's forward must change nothing: BatchNorm's running statistics and the
     # random state (dropout) are put back as they were.
     saved = hold_buffers(modules)
-    cuda = sorted(
-        {
-            t.device.index or 0
-            for t in (*params, *batch)
-            if isinstance(t, torch.Tensor) and t.is_cuda
-        }
-    )
+    cuda = cuda_devices([*params, *batch])
     try:
         with torch.random.fork_rng(devices=cuda):
-            before = _rng_states(cuda)
+            before = rng_states(cuda)
             dtype, unused = _check_loss(loss_fn, params, batch)
-            draws = any(not torch.equal(a, b) for a, b in zip(before, _rng_states(cuda)))
+            draws = any(not torch.equal(a, b) for a, b in zip(before, rng_states(cuda)))
+        ops: tuple[str, ...] = ()
+        if draws:  # again, to name the random ops (a dispatch mode can change kernels)
+            put_back(saved)
+            with torch.random.fork_rng(devices=cuda), _RandomOps() as rec:
+                _check_loss(loss_fn, params, batch)
+            ops = tuple(rec.ops)
     finally:
         put_back(saved)
-    return Probed(dtype, unused, draws)
+    return Probed(dtype, unused, draws, ops)
 
 
 def _check_loss(
@@ -297,7 +359,8 @@ def _check_loss(
                 f"{tuple(b.shape)} {b.dtype}" if isinstance(b, torch.Tensor) else type(b).__name__
                 for b in batch
             )
-            first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+            # torch's whole message: its cause is often on a later line
+            first = " / ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())
             raise BatchError(
                 f"`batch` does not fit `loss_fn`: loss_fn(*batch) on arguments ({shapes}) raised "
                 f"{type(e).__name__}: {first.rstrip('.')}. Pass tensors of the shapes and dtypes the model "
@@ -348,3 +411,190 @@ def transient(error: BaseException | None) -> bool:
             return True
         error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
     return False
+
+
+class Trainable:
+    """The optimizer as the fused program updates it: each group with only its parameters
+    that require grad. torch.optim skips a frozen parameter (no gradient: no update, no
+    state, no weight decay); the program leaves it out (a constant of the loss)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+
+    def __getattr__(self, name: str) -> Any:  # anything else: the optimizer's own
+        return getattr(self.optimizer, name)
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [
+            {**g, "params": [p for p in g["params"] if p.requires_grad]}
+            for g in self.optimizer.param_groups
+        ]
+
+
+def check_arguments(loss_fn: Any, optimizer: Any, model: Any) -> None:
+    """`fuse`'s checks of ``loss_fn``, ``model`` and ``optimizer``: a torch optimizer over
+    float parameters, some of which require grad (frozen ones are skipped as torch.optim
+    skips them)."""
+    if not callable(loss_fn):
+        fail(
+            TypeError,
+            "loss_fn",
+            loss_fn,
+            "callable as loss_fn(*batch) -> scalar tensor",
+            "Pass a function such as lambda x, y: F.cross_entropy(model(x), y).",
+        )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        fail(
+            TypeError,
+            "optimizer",
+            optimizer,
+            "a torch.optim.Optimizer",
+            "Build one over the model's parameters, e.g. torch.optim.SGD(model.parameters(), lr=0.01) "
+            "(optax / keras optimizers belong to stepfuse.jax / stepfuse.tf).",
+        )
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not params:
+        fail(
+            ValueError,
+            "optimizer",
+            optimizer,
+            "an optimizer with parameters",
+            "Pass model.parameters() to the optimizer.",
+        )
+    for p in params:
+        if not isinstance(p, torch.Tensor) or not p.is_floating_point():
+            fail(
+                TypeError,
+                "optimizer",
+                f"a parameter of dtype {getattr(p, 'dtype', type(p))}",
+                "an optimizer over floating-point parameters",
+                "Use float parameters (e.g. torch.float32); integer tensors cannot be trained.",
+            )
+    if not any(p.requires_grad for p in params):
+        fail(
+            ValueError,
+            "optimizer",
+            f"an optimizer whose {len(params)} parameters all have requires_grad=False",
+            "an optimizer over at least one parameter that requires grad",
+            "Unfreeze the parameters to train (p.requires_grad_(True)).",
+        )
+    if model is not None and not isinstance(model, nn.Module):
+        fail(
+            TypeError,
+            "model",
+            model,
+            "a torch.nn.Module or None",
+            "Pass the module whose parameters the optimizer holds, or omit `model`.",
+        )
+
+
+def check_clip(value: Any, name: str) -> float | None:
+    """``clip_grad_norm`` / ``clip_grad_value``: a float > 0 or None."""
+    if value is None:
+        return None
+    fix = f"Pass a positive number such as {name}=1.0, or {name}=None not to clip."
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        fail(TypeError, name, value, "a float > 0 or None", fix)
+    if not (math.isfinite(float(value)) and float(value) > 0):
+        fail(ValueError, name, value, "a finite float > 0 or None", fix)
+    return float(value)
+
+
+def check_params_unchanged(
+    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]
+) -> None:
+    """Refuse a call after the optimizer's parameters changed (``add_param_group``) since
+    `fuse`: the fit would still update the parameters it was built for. Freezing or
+    unfreezing one is no change: each call reads which require grad."""
+    now = [p for g in optimizer.param_groups for p in g["params"]]
+    if len(now) != len(params) or any(a is not b for a, b in zip(now, params)):
+        raise ValueError(
+            f"`optimizer` holds other parameters than when the fit was built ({len(now)} "
+            f"tensors now, {len(params)} then: add_param_group or a changed group?). "
+            "Build a new fit with sf.fuse(loss_fn, optimizer, ...) (nothing was run or changed)."
+        )
+    if not any(p.requires_grad for p in params):
+        raise ValueError(
+            "`optimizer` has no parameter that requires grad any more (all were set to "
+            "requires_grad=False after the fit was built); unfreeze some to train "
+            "(nothing was run or changed)."
+        )
+
+
+def draws_mismatch(
+    eager: Sequence[torch.Tensor],
+    fused: Sequence[torch.Tensor],
+    rng_eager: Sequence[torch.Tensor],
+    rng_fused: Sequence[torch.Tensor],
+    ops: Sequence[str],
+) -> str | None:
+    """Why the fused program's first step does not draw what the plain loop's draws, or
+    None: ``eager`` and ``fused`` are the step's new parameters and buffers, and
+    the random states after it must be bitwise equal (the same draws from the same
+    generator); values loosely (other masks change them far beyond rounding)."""
+    what = ", ".join(ops) or "random ops"
+    head = (
+        f"loss_fn draws random numbers ({what}) and the fused program's first step did not "
+        "draw what the plain loop draws"
+    )
+    tail = (
+        "; a random op compiled by inductor does not use torch's generator as eagerly (e.g. "
+        "scaled_dot_product_attention with dropout_p > 0, as nn.MultiheadAttention and "
+        "nn.TransformerEncoderLayer with dropout run it, draws its mask inside the fused "
+        "attention kernel eagerly). Pass mode='stepwise' to silence this warning."
+    )
+    if any(not torch.equal(a, b) for a, b in zip(rng_eager, rng_fused)):
+        return f"{head} (the random state after it differs){tail}"
+    for a, b in zip(eager, fused):
+        a, b = a.detach().to("cpu", torch.float64), b.detach().to("cpu", torch.float64)
+        if not torch.allclose(a, b, rtol=1e-4, atol=1e-6, equal_nan=True):
+            return f"{head} (the random state after it is the same, the parameters or buffers not){tail}"
+    return None
+
+
+def check_draws(fit: Any, batch: tuple) -> bool | str:
+    """Whether a `stepfuse.torch.Fit`'s program draws what the plain loop draws, for a
+    ``loss_fn`` that draws random numbers (dropout): True, a fallback reason, or False
+    where it cannot be checked on this call (a non-finite step: the call runs stepwise).
+
+    The program's first step runs against an eager step from the same parameters, state,
+    buffers and random state (after one eager step where torch has no optimizer state
+    yet); the random states after them must be bitwise equal. Everything is put back."""
+    params = fit._params
+    values, snap = [p.detach().clone() for p in params], snapshot(fit.optimizer, params)
+    held = hold_buffers(fit._modules)
+    cuda = cuda_devices([*params, *batch])
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            if not fit._state.ready():  # torch creates the state: one eager step first
+                _, finite, token = fit._propose(batch)
+                if not finite:
+                    return False
+                fit._commit(token)
+                fit.step -= 1
+            start = rng_states(cuda)
+            at = hold_buffers(fit._modules)
+            _, finite, token = fit._propose(batch)
+            eager_rng = rng_states(cuda)
+            eager_b = [b.detach().clone() for b in fit._buffers()]
+            put_back(at)
+            if not finite:
+                return False
+            set_rng_states(cuda, start)
+            nan = torch.tensor(math.nan, dtype=fit._loss_dtype, device=params[0].device)
+            out = fit._segment(1, 0, nan, batch)
+            fused_rng = rng_states(cuda)
+    finally:
+        with torch.no_grad():
+            for p, v in zip(params, values):
+                p.copy_(v)
+        restore(fit.optimizer, params, snap)
+        put_back(held)
+    eager = [*(v for v, m in zip(token[0], fit._mask) if m), *eager_b]
+    fused = [*out.carry.params, *out.carry.buffers]
+    return draws_mismatch(eager, fused, eager_rng, fused_rng, fit._random_ops) or True

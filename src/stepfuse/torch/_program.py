@@ -11,9 +11,10 @@ on the same program: compile time does not grow with ``steps``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -24,10 +25,25 @@ from torch.utils import _pytree
 from .._core import Flow, ceil_div, loop
 from ._ops import TORCH
 
-__all__ = ["Body", "Carry", "Result", "batch_key", "build_program", "compile_fn", "run_program"]
+__all__ = [
+    "Body",
+    "Carry",
+    "Result",
+    "batch_key",
+    "build_program",
+    "clip_grads",
+    "compile_fn",
+    "run_program",
+    "traceable",
+]
 
-INDUCTOR_OPTIONS: dict[str, Any] = {"cpp_wrapper": True}
-"""Inductor options of the fused program: the C++ wrapper runs the loop without Python."""
+INDUCTOR_OPTIONS: dict[str, Any] = {"cpp_wrapper": True, "fallback_random": True}
+"""Inductor options of the fused program: the C++ wrapper runs the loop without Python;
+``fallback_random`` has random ops (``torch.rand``, ``randn``, ``bernoulli`` ...) draw from
+torch's global generator, as in eager mode, rather than from inductor's own seeds."""
+
+CHUNK_OPTIONS: dict[str, Any] = {"fallback_random": True}
+"""Inductor options of the CUDA chunk (`stepfuse.torch._cuda`)."""
 
 Met = Callable[[Any, Any], Any]
 
@@ -43,11 +59,13 @@ class Carry(NamedTuple):
     losses: torch.Tensor
     params: tuple[torch.Tensor, ...]
     states: tuple[torch.Tensor, ...]
+    buffers: tuple[torch.Tensor, ...] = ()
+    """The modules' buffers (BatchNorm's running statistics ...), as a forward leaves them."""
 
     def flat(self) -> tuple[torch.Tensor, ...]:
         """The tensors as ``while_loop`` carries them (a flat tuple, no None)."""
         flow = tuple(f for f in self.flow if f is not None)
-        return (*flow, self.losses, *self.params, *self.states)
+        return (*flow, self.losses, *self.params, *self.states, *self.buffers)
 
 
 class Result(NamedTuple):
@@ -88,12 +106,28 @@ class Body(NamedTuple):
     capturable: bool
     met: Met | None
     """The ``tol`` test for the loss dtype (`met_of`), built outside the traced code."""
+    buffers: tuple[str, ...] = ()
+    """Names of the modules' buffers, carried through the loop: a forward in train mode
+    changes some (BatchNorm), and each step's forward starts from the last one's."""
+    clip_norm: float | None = None
+    """``max_norm`` of ``torch.nn.utils.clip_grad_norm_`` between gradient and update."""
+    clip_value: float | None = None
+    """``clip_value`` of ``torch.nn.utils.clip_grad_value_`` between gradient and update."""
+    rnn: bool = False
+    """Whether the modules hold recurrent layers (traced and run within `traceable`)."""
 
     def carry(self, flat: Sequence[torch.Tensor]) -> Carry:
         """The named view of a flat carry (`Carry.flat` inverted)."""
         nf = 4 if self.tol is not None else 3
         at = nf + 1 + self.n_params
-        return Carry(Flow(*flat[:nf]), flat[nf], tuple(flat[nf + 1 : at]), tuple(flat[at:]))
+        nb = len(flat) - len(self.buffers)
+        return Carry(
+            Flow(*flat[:nf]),
+            flat[nf],
+            tuple(flat[nf + 1 : at]),
+            tuple(flat[at:nb]),
+            tuple(flat[nb:]),
+        )
 
     def start(
         self,
@@ -101,6 +135,7 @@ class Body(NamedTuple):
         nslots: int,
         params: Sequence[torch.Tensor],
         states: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor] = (),
     ) -> Carry:
         """The carry at a program call's start: no step evaluated, ``last`` the call's
         previous loss (NaN at its start), ``before`` NaN (``tol`` met by no first step)."""
@@ -114,28 +149,36 @@ class Body(NamedTuple):
             else None,
         )
         losses = torch.full((nslots,), math.nan, dtype=prev.dtype, device=dev)
-        return Carry(flow, losses, tuple(params), tuple(states))
+        return Carry(flow, losses, tuple(params), tuple(states), tuple(buffers))
 
     def make(self, n: Any, i0: Any, base: Any, batch: tuple) -> Callable[..., tuple]:
         """The loop body over a flat carry: ``chunk`` steps, each masked so a stop mid-chunk
         (or the call's end) leaves the state of the stepwise loop."""
         wrapper, names, others, update = self.wrapper, self.names, self.others, self.update
+        bnames = self.buffers
 
-        def loss_of(ps):
+        def loss_of(ps, bs):
             held = {k: wrapper.get_parameter(k).detach() for k in others}
-            return torch.func.functional_call(wrapper, {**held, **dict(zip(names, ps))}, batch)
+            # The forward changes buffers in place (BatchNorm): on copies made inside the
+            # transformed function, returned as the step's new buffers (a mutation of the
+            # carried ones would be one of a captured tensor, which torch.func refuses).
+            bs = [b.clone() for b in bs]
+            tensors = {**held, **dict(zip(bnames, bs)), **dict(zip(names, ps))}
+            return torch.func.functional_call(wrapper, tensors, batch), tuple(bs)
 
-        grad_and_loss = torch.func.grad_and_value(loss_of)
+        grad_and_loss = torch.func.grad_and_value(loss_of, has_aux=True)
 
         def body(*flat):
             c = self.carry(flat)
             flow, losses, ps, ss = c.flow, c.losses, list(c.params), list(c.states)
+            bs = list(c.buffers)
             met = self.met
             spare = losses.shape[0] - 1
             for _ in range(self.chunk):
                 active = loop.running(TORCH, flow, n, met)
-                grads, loss = grad_and_loss(tuple(ps))
+                grads, (loss, new_b) = grad_and_loss(tuple(ps), tuple(bs))
                 loss = loss.detach()
+                grads = clip_grads(list(grads), self.clip_norm, self.clip_value)
                 new_p = [p.clone() for p in ps]  # torch's update works in place: on copies
                 new_s = [s.clone() for s in ss]
                 self._update(update, new_p, new_s, grads)
@@ -147,13 +190,14 @@ class Body(NamedTuple):
                 ok = active & TORCH.logical_not(loop.refused(TORCH, stepped))
                 ps = [torch.where(ok, a, b) for a, b in zip(new_p, ps)]
                 ss = [torch.where(ok, a, b) for a, b in zip(new_s, ss)]
+                bs = [torch.where(ok, a.detach(), b) for a, b in zip(new_b, bs)]
                 ic = i0 + flow.i  # index of this step within the user's call
                 slot = torch.where(
                     active, loop.record_slot(ic, self.record_every, base, spare, TORCH), spare
                 )
                 losses = losses.index_copy(0, slot.reshape(1), loss.reshape(1).to(losses.dtype))
                 flow = loop.masked(TORCH, active, stepped, flow)
-            return Carry(flow, losses, tuple(ps), tuple(ss)).flat()
+            return Carry(flow, losses, tuple(ps), tuple(ss), tuple(bs)).flat()
 
         return body
 
@@ -168,6 +212,8 @@ class Body(NamedTuple):
         j = 0
         for sl, keys, h in self.info:
             m = sl.stop - sl.start
+            if m == 0:  # a group whose parameters are all frozen: torch updates none
+                continue
             st = {}
             for k in keys:
                 st[k] = new_s[j : j + m]
@@ -207,15 +253,15 @@ def compile_fn(
 def build_program(
     spec: Body, compile: Callable[[Callable, str, dict[str, Any]], Callable]
 ) -> Callable:
-    """The compiled program: ``program(n, i0, base, prev, nslots, params, states, batch)``
-    runs up to ``n`` steps of the call from its step ``i0`` and returns a `Result`."""
+    """The compiled program: ``program(n, i0, base, prev, nslots, params, states, buffers,
+    batch)`` runs up to ``n`` steps of the call from its step ``i0`` and returns a `Result`."""
 
-    def program(n, i0, base, prev, nslots, params, states, batch):
+    def program(n, i0, base, prev, nslots, params, states, buffers, batch):
         from torch._higher_order_ops.while_loop import while_loop
 
         body = spec.make(n, i0, base, batch)
         met = spec.met
-        start = spec.start(prev, nslots + 1, params, states)
+        start = spec.start(prev, nslots + 1, params, states, buffers)
         flat = while_loop(
             lambda *c: loop.running(TORCH, spec.carry(c).flow, n, met), body, start.flat()
         )
@@ -235,18 +281,88 @@ def run_program(
     prev: torch.Tensor,
     params: Sequence[torch.Tensor],
     states: Sequence[torch.Tensor],
+    buffers: Sequence[torch.Tensor],
     batch: tuple,
+    rnn: bool = False,
 ) -> Result:
-    """One program call: up to ``n`` steps from the call's step ``i0`` (a `Result`)."""
+    """One program call: up to ``n`` steps from the call's step ``i0`` (a `Result`);
+    ``rnn``: the modules hold recurrent layers (`traceable`)."""
     nslots = ceil_div(cap, record_every) + 1
     dev = params[0].device
     t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
     # Without autograd around it: parameters the optimizer does not hold may require grad,
     # and the loop must not be recorded for a backward (torch.func.grad still works inside).
-    with torch.no_grad():
+    with torch.no_grad(), traceable(rnn):
         return program(
-            t(n), t(i0), t(ceil_div(i0, record_every)), prev, nslots, params, states, batch
+            t(n),
+            t(i0),
+            t(ceil_div(i0, record_every)),
+            prev,
+            nslots,
+            params,
+            states,
+            buffers,
+            batch,
         )
+
+
+class _Held:
+    """What torch's gradient clipping reads of a parameter: its ``.grad``."""
+
+    def __init__(self, grad: torch.Tensor):
+        self.grad = grad
+
+
+def clip_grads(
+    grads: list[torch.Tensor], max_norm: float | None, clip_value: float | None
+) -> list[torch.Tensor]:
+    """``grads`` clipped by torch's own ``clip_grad_norm_`` / ``clip_grad_value_`` (in
+    place, on the gradients the loop computed), as the plain loop clips ``p.grad``."""
+    # Per tensor (foreach=False): inductor cannot lower a foreach op's list inside the
+    # while_loop; eager torch's foreach norm on CPU runs the same per-tensor norm.
+    held: list[Any] = [_Held(g) for g in grads]
+    if max_norm is not None:
+        torch.nn.utils.clip_grad_norm_(held, max_norm, foreach=False)
+    if clip_value is not None:
+        torch.nn.utils.clip_grad_value_(held, clip_value, foreach=False)
+    return grads
+
+
+def _rnn_flat_weights(self: nn.RNNBase) -> list[torch.Tensor | None]:
+    return [getattr(self, n, None) for n in self._flat_weights_names]
+
+
+@contextlib.contextmanager
+def traceable(rnn: bool) -> Iterator[None]:
+    """Tracing and running the fused program with recurrent layers (``nn.RNN``, ``LSTM``,
+    ``GRU``) made traceable, as torch runs them eagerly on CPU (without ``rnn``: nothing).
+
+    Their forward caches the current weights on the module (``_flat_weights``, refreshed
+    when `functional_call` swaps them), a mutation dynamo refuses inside ``while_loop``:
+    here the list is read from the module's parameters at each forward instead, which is
+    what the cache holds. Dynamo traces RNNs only with ``allow_rnn``; torch's LSTM
+    decomposition picks oneDNN's kernel when its input needs no gradient, whose backward
+    cannot be traced under ``torch.func.grad``, so oneDNN is off here: the decomposition's
+    composite cell is what eager CPU training runs."""
+    if not rnn:
+        yield
+        return
+    base = nn.RNNBase
+    saved = {k: base.__dict__[k] for k in ("_update_flat_weights", "__setattr__")}
+    patch = {
+        "_flat_weights": property(_rnn_flat_weights, lambda self, value: None),
+        "_update_flat_weights": lambda self: None,
+        "__setattr__": nn.Module.__setattr__,
+    }
+    for k, v in patch.items():
+        setattr(base, k, v)
+    try:
+        with torch._dynamo.config.patch(allow_rnn=True), torch.backends.mkldnn.flags(enabled=False):
+            yield
+    finally:
+        delattr(base, "_flat_weights")
+        for k, v in saved.items():
+            setattr(base, k, v)
 
 
 def batch_key(batch: Sequence[Any]) -> tuple:

@@ -2,17 +2,38 @@
 
 The fused program calls these on copies of the parameters and state: each rule is the
 function ``torch.optim`` itself runs in ``step()``, with a group's hyper-parameters as
-Python values (`hyper`), so the fused mode updates exactly as the optimizer does.
+Python values (`hyper`), so the fused mode updates exactly as the optimizer does. SGD,
+Adam, AdamW, RMSprop and Adagrad are here; ASGD, Adadelta, Adamax, NAdam, RAdam and
+Rprop and Muon in `stepfuse.torch._optimizers`. `refusal` says why the others (Adafactor,
+LBFGS, SparseAdam) run stepwise, and `check_group` refuses, before anything is compiled,
+the options whose ``step()`` raises in the plain loop too. Muon's rule (`MUON_RULE`)
+equals eager torch only under extra inductor options (`Rule.inductor`), which the compiled
+program applies over its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["SUPPORTED_OPTIMIZERS", "Rule", "RULES", "HANDLED", "IGNORED_GROUP_KEYS", "hyper"]
+from . import _optimizers
+
+__all__ = [
+    "HANDLED",
+    "IGNORED_GROUP_KEYS",
+    "MUON_RULE",
+    "NOT_FUSED",
+    "RULES",
+    "Rule",
+    "SUPPORTED_OPTIMIZERS",
+    "check_group",
+    "hyper",
+    "placeholder",
+    "refusal",
+]
 
 
 def scalar_dtype() -> torch.dtype:
@@ -141,6 +162,9 @@ class Rule(NamedTuple):
     """``update(params, grads, state, hyper, capturable)``, in place on its arguments."""
     capturable: bool
     """Whether its eager (capturable) form works inside a CUDA graph."""
+    inductor: Mapping[str, Any] = MappingProxyType({})
+    """Inductor options the fused program needs on top of its own for this rule to equal
+    eager torch (Muon's: `stepfuse.torch._optimizers.MUON_INDUCTOR`)."""
 
 
 RULES: dict[type, Rule] = {
@@ -150,6 +174,27 @@ RULES: dict[type, Rule] = {
     torch.optim.RMSprop: Rule(_rmsprop_keys, _rmsprop_update, True),
     torch.optim.Adagrad: Rule(_adagrad_keys, _adagrad_update, False),  # reads `step` on the host
 }
+# NAdam keeps `mu_product` on the CPU unless the group is capturable: no eager capture.
+_EAGER_CAPTURABLE: dict[type, bool] = {torch.optim.NAdam: False}
+
+
+def _fixed_keys(keys: tuple[str, ...]) -> Callable[[dict], tuple[str, ...]]:
+    return lambda g: keys
+
+
+for _cls, _keys in _optimizers.KEYS.items():
+    RULES[_cls] = Rule(
+        _fixed_keys(_keys), _optimizers.UPDATES[_cls], _EAGER_CAPTURABLE.get(_cls, True)
+    )
+
+MUON_RULE = Rule(
+    _fixed_keys(_optimizers.MUON_KEYS),
+    _optimizers.muon,
+    True,
+    MappingProxyType(_optimizers.MUON_INDUCTOR),
+)
+"""Muon's rule: it equals eager torch only under its `Rule.inductor` options."""
+RULES[torch.optim.Muon] = MUON_RULE
 SUPPORTED_OPTIMIZERS = tuple(c.__name__ for c in RULES)
 """The ``torch.optim`` classes the fused mode runs; any other optimizer runs stepwise."""
 
@@ -175,6 +220,31 @@ HANDLED: dict[type, set[str]] = {
         "eps",
         "maximize",
     },
+    torch.optim.ASGD: {"lr", "lambd", "alpha", "t0", "weight_decay", "maximize"},
+    torch.optim.Adadelta: {"lr", "rho", "eps", "weight_decay", "maximize"},
+    torch.optim.Adamax: {"lr", "betas", "eps", "weight_decay", "maximize"},
+    torch.optim.Muon: {
+        "lr",
+        "weight_decay",
+        "momentum",
+        "nesterov",
+        "ns_coefficients",
+        "eps",
+        "ns_steps",
+        "adjust_lr_fn",
+    },
+    torch.optim.NAdam: {
+        "lr",
+        "betas",
+        "eps",
+        "weight_decay",
+        "momentum_decay",
+        "decoupled_weight_decay",
+        "maximize",
+    },
+    torch.optim.RAdam: {"lr", "betas", "eps", "weight_decay", "decoupled_weight_decay", "maximize"},
+    # `lr` only sets the first `step_size`, which torch's first step creates.
+    torch.optim.Rprop: {"lr", "etas", "step_sizes", "maximize"},
 }
 HANDLED[torch.optim.AdamW] = HANDLED[torch.optim.Adam]
 
@@ -182,7 +252,9 @@ IGNORED_GROUP_KEYS = ("params", "foreach", "fused", "capturable", "differentiabl
 
 
 def hyper(group: dict) -> dict[str, Any]:
-    """A group's hyper-parameters as plain Python values (baked into the compiled program)."""
+    """A group's hyper-parameters as plain Python values (baked into the compiled program);
+    raises for a group the plain loop cannot step either (`check_group`)."""
+    check_group(group)
     out = {}
     for k, v in group.items():
         if k in IGNORED_GROUP_KEYS:
@@ -193,3 +265,85 @@ def hyper(group: dict) -> dict[str, Any]:
             v = tuple(x.item() if isinstance(x, torch.Tensor) else x for x in v)
         out[k] = v
     return out
+
+
+NOT_FUSED: dict[type, str] = {
+    torch.optim.Adafactor: (
+        "Adafactor's update (torch's single-tensor and foreach forms alike; it has no "
+        "capturable form) reads values on the host at every step: the step count and the "
+        "norms of each parameter and of its update (.item()), which set its step sizes "
+        "through Python's min / max. Compiled, those reads become data-dependent scalars, "
+        "and inductor then cannot lower the update: its lerp_ with the weight "
+        "step ** beta2_decay picks one of two formulas by that weight (>= 0.5), which it "
+        "cannot decide at compile time (GuardOnDataDependentSymNode), so it runs stepwise."
+    ),
+    torch.optim.LBFGS: (
+        "LBFGS's step(closure) evaluates the loss and gradients a data-dependent number of "
+        "times per step (up to max_iter / max_eval, stopping on tolerance_grad and "
+        "tolerance_change tests read on the host, and a strong-Wolfe line search if asked) "
+        "and keeps Python state (its history lists, n_iter, the previous loss and "
+        "direction); a compiled loop of fixed steps cannot run that exactly, so it runs "
+        "stepwise, calling step(closure) as torch's own closure loop does."
+    ),
+    torch.optim.SparseAdam: (
+        "SparseAdam updates only the rows its sparse gradients hold; the fused program "
+        "takes dense gradients (torch.func), so it runs stepwise."
+    ),
+}
+"""Why each ``torch.optim`` class without a rule runs stepwise."""
+
+
+def refusal(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``optimizer``'s class has no fused rule (a whole sentence), or None if it has
+    one or is not a class this module knows."""
+    cls = type(optimizer)
+    if cls in RULES:
+        return None
+    for known, reason in NOT_FUSED.items():
+        if issubclass(cls, known):
+            return reason
+    return None
+
+
+def check_group(group: dict) -> None:
+    """Raise, before anything is compiled or run, for the options whose ``step()`` raises
+    in the plain loop too: torch's error class, and how to fix it.
+
+    ``differentiable=True`` runs the update with autograd on, and its in-place update of
+    leaf parameters that require grad raises; ``capturable=True`` on a device that CUDA
+    graphs (or the like) cannot capture fails torch's device assertion."""
+    if group.get("differentiable", False):
+        raise RuntimeError(
+            "stepfuse.torch: the optimizer has differentiable=True, under which its step() "
+            "updates the parameters in place with autograd on and raises torch's RuntimeError "
+            "'a leaf Variable that requires grad is being used in an in-place operation' (the "
+            "plain zero_grad / backward / step loop fails the same way). Build the optimizer "
+            "with differentiable=False (nothing was run or changed)."
+        )
+    if group.get("capturable", False):
+        from torch.optim.optimizer import _get_capturable_supported_devices
+
+        supported = _get_capturable_supported_devices()
+        bad = sorted({p.device.type for p in group["params"]} - set(supported))
+        if bad:
+            raise AssertionError(
+                f"stepfuse.torch: the optimizer has capturable=True with parameters on "
+                f"{', '.join(bad)}; torch.optim's step() then asserts 'If capturable=True, "
+                f"params and state_steps must be on supported devices: {supported}.' (the plain "
+                "loop fails the same way). Build the optimizer with capturable=False on this "
+                "device (nothing was run or changed)."
+            )
+
+
+def placeholder(optimizer: Any, key: str, p: torch.Tensor, group: dict) -> torch.Tensor:
+    """A stand-in for ``optimizer``'s state ``key`` of ``p`` before torch created it, shaped,
+    typed and placed as torch's first step will create it (for a program compiled first).
+    ``optimizer`` may also be a view of one that holds it as ``.optimizer``."""
+    real = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer.optimizer
+    cls = type(real)
+    if cls in _optimizers.KEYS:
+        return _optimizers.placeholder(cls, key, p, group)
+    if key == "step":
+        on_device = group.get("capturable", False) or group.get("fused", False)
+        return torch.zeros((), dtype=scalar_dtype(), device=p.device if on_device else "cpu")
+    return torch.zeros_like(p, memory_format=torch.preserve_format)

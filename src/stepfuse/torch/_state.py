@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._rules import scalar_dtype
+from ._rules import placeholder as _placeholder
 
 __all__ = ["StateLayout", "all_finite", "host_loss", "put_back", "restore", "snapshot"]
 
@@ -127,18 +127,17 @@ class StateLayout:
         """The optimizer state flattened (group, key, param); zeros where not yet created
         if ``placeholder`` (a program built before the first step), else an error."""
         out = []
-        for _g, sl, keys in self.groups():
+        for g, sl, keys in self.groups():
             for k in keys:
                 for p in self.params[sl]:
                     v = self.optimizer.state[p].get(k) if p in self.optimizer.state else None
                     if v is None:
                         if not placeholder:
                             raise RuntimeError("optimizer state missing")
-                        v = (
-                            torch.tensor(0.0, dtype=scalar_dtype())
-                            if k == "step"
-                            else torch.zeros_like(p, memory_format=torch.preserve_format)
-                        )
+                        # shaped, typed and placed as torch creates it (0-dim `step`, ASGD's
+                        # `eta` / `mu`, NAdam's `mu_product`; the rest like the parameter),
+                        # so the program compiled now serves the state torch creates next
+                        v = _placeholder(self.optimizer, k, p, g)
                     out.append(v)
         return out
 
@@ -148,14 +147,13 @@ class StateLayout:
             for p, v in zip(self.params, params):
                 p.copy_(v)
             i = 0
-            for _g, sl, keys in self.groups():
+            for g, sl, keys in self.groups():
                 for k in keys:
                     for p in self.params[sl]:
                         cur = self.optimizer.state[p]
                         if isinstance(cur.get(k), torch.Tensor):
                             cur[k].copy_(states[i])
                         else:
-                            cur[k] = (
-                                states[i].detach().to(p.device if k != "step" else "cpu").clone()
-                            )
+                            like = _placeholder(self.optimizer, k, p, g)
+                            cur[k] = states[i].detach().to(like.device).clone()
                         i += 1
