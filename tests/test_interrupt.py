@@ -128,7 +128,10 @@ CHILDREN = {
 def test_sigint_leaves_parameters_state_and_step_consistent(backend):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TORCHINDUCTOR_COMPILE_THREADS="1")
     setup, check = CHILDREN[backend]
-    script = textwrap.dedent(setup) + LOOP + textwrap.dedent(check)
+    # A child inherits an ignored SIGINT (pytest started under nohup or as a background
+    # job): give it Python's own handler, as a program started from a terminal has.
+    handler = "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+    script = handler + textwrap.dedent(setup) + LOOP + textwrap.dedent(check)
     child = subprocess.Popen(
         [sys.executable, "-c", script],
         stdout=subprocess.PIPE,
