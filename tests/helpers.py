@@ -130,7 +130,7 @@ OPTIMIZERS: dict[str, dict[str, Callable[..., Any]]] = {
 
 
 # The backends' own test catalogues (wider than the shared names above): test_jax.py,
-# test_tf.py and test_tf_v1.py parametrize over them.
+# test_tf.py, test_tf_v1.py and test_torch.py parametrize over them.
 CATALOGUES: dict[str, dict[str, Callable[..., Any]]] = {
     "jax": {
         "sgd": lambda: _optax().sgd(0.05),
@@ -183,6 +183,26 @@ CATALOGUES: dict[str, dict[str, Callable[..., Any]]] = {
         "momentum_nesterov": lambda: _tf1().train.MomentumOptimizer(0.05, 0.9, use_nesterov=True),
         "adam": lambda: _tf1().train.AdamOptimizer(0.05),
         "rmsprop": lambda: _tf1().train.RMSPropOptimizer(0.01, momentum=0.5),
+    },
+    # torch: ``factory(params)``; test_torch.py (adam_decoupled needs torch >= 2.8)
+    "torch": {
+        "sgd": lambda params: _torch_optim().SGD(params, lr=0.01),
+        "sgd_momentum": lambda params: _torch_optim().SGD(params, lr=0.05, momentum=0.9),
+        "sgd_nesterov": lambda params: _torch_optim().SGD(
+            params, lr=0.05, momentum=0.9, nesterov=True
+        ),
+        "sgd_weight_decay": lambda params: _torch_optim().SGD(
+            params, lr=0.05, momentum=0.5, dampening=0.1, weight_decay=0.1
+        ),
+        "adam": lambda params: _torch_optim().Adam(params, lr=0.01),
+        "adamw": lambda params: _torch_optim().AdamW(params, lr=0.01, weight_decay=0.1),
+        "adam_decoupled": lambda params: _torch_optim().Adam(
+            params, lr=0.01, weight_decay=0.5, decoupled_weight_decay=True
+        ),
+        "rmsprop": lambda params: _torch_optim().RMSprop(
+            params, lr=0.01, momentum=0.5, centered=True
+        ),
+        "adagrad": lambda params: _torch_optim().Adagrad(params, lr=0.1),
     },
 }
 

@@ -124,8 +124,11 @@ def test_bench_quick_has_every_contender_of_every_backend(tmp_path):
     print(f"bench --quick took {elapsed:.0f} s")
 
 
+# The torch row compiles the CNN's program (about two minutes of CI): it runs with --runslow.
 @pytest.mark.parametrize(
-    "backend, sizes", [("torch", ["cnn"]), ("tf", ["cnn"])], ids=["torch", "tf"]
+    "backend, sizes",
+    [pytest.param("torch", ["cnn"], marks=pytest.mark.slow), ("tf", ["cnn"])],
+    ids=["torch", "tf"],
 )
 def test_bench_model_rows_report_each_fits_mode(backend, sizes, tmp_path):
     """The real-model rows at their smallest (N = 1): every contender of the model size,

@@ -645,8 +645,7 @@ def test_graph_path_static_buffers_and_replays_match_reference_on_cpu(monkeypatc
 def test_cuda_graph_matches_torch_reference(opt):
     model, optimizer, loss_fn = make("mlp", opt)
     model.cuda()
-    cls, kw = OPTIMIZERS[opt]
-    optimizer = cls(model.parameters(), **kw)
+    optimizer = OPTIMIZERS[opt](model.parameters())
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no silent fallback
         fit = sf.fuse(loss_fn, optimizer, steps=9, chunk=2)
@@ -657,7 +656,7 @@ def test_cuda_graph_matches_torch_reference(opt):
     assert [t.steps for t in traces] == list(calls)
     losses = np.concatenate([t.loss for t in traces])
     ref = mlp().cuda()
-    ref_opt = cls(ref.parameters(), **kw)
+    ref_opt = OPTIMIZERS[opt](ref.parameters())
     ref_losses = reference_steps(ref, ref_opt, sum(calls), X.cuda(), Y.cuda())
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     for p, q in zip(model.parameters(), ref.parameters()):

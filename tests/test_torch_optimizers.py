@@ -73,7 +73,14 @@ def _assert_same(got: dict, ref: dict) -> None:
         np.testing.assert_allclose(got[k], ref[k], rtol=RTOL, atol=ATOL, err_msg=k)
 
 
-@pytest.mark.parametrize("name", sorted(SAMPLE))
+# Adagrad is fused since 0.1.0 and tested in test_torch.py: its option sample runs with --runslow.
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.slow) if n == "adagrad_lr_decay" else n
+        for n in sorted(SAMPLE)
+    ],
+)
 def test_fused_equals_the_plain_loop_over_split_calls(name):
     config = _config(name)
     per_call = SAMPLE[name][2]

@@ -7,7 +7,7 @@ import inspect
 import numpy as np
 import torch
 import torch.nn.functional as F
-from helpers import ATOL, RTOL, assert_fused, assert_mode  # noqa: F401 (re-exported)
+from helpers import ATOL, CATALOGUES, RTOL, assert_fused, assert_mode  # noqa: F401 (re-exported)
 from torch import nn
 
 from stepfuse.problems import blobs, mlp_init, perceptron_init
@@ -16,29 +16,12 @@ X_NP, Y_NP = blobs()
 X = torch.from_numpy(X_NP)
 Y = torch.from_numpy(Y_NP).long()
 
-# name -> (class, kwargs): every optimizer and variant the fused path supports
+# name -> factory(params): every optimizer and variant of test_torch.py (tests/helpers.py)
 OPTIMIZERS = {
-    "sgd": (torch.optim.SGD, dict(lr=0.01)),
-    "sgd_momentum": (torch.optim.SGD, dict(lr=0.05, momentum=0.9)),
-    "sgd_nesterov": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
-    "sgd_weight_decay": (
-        torch.optim.SGD,
-        dict(lr=0.05, momentum=0.5, dampening=0.1, weight_decay=0.1),
-    ),
-    "adam": (torch.optim.Adam, dict(lr=0.01)),
-    "adamw": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
-    **(
-        {
-            "adam_decoupled": (
-                torch.optim.Adam,
-                dict(lr=0.01, weight_decay=0.5, decoupled_weight_decay=True),
-            )
-        }
-        if "decoupled_weight_decay" in inspect.signature(torch.optim.Adam).parameters
-        else {}
-    ),
-    "rmsprop": (torch.optim.RMSprop, dict(lr=0.01, momentum=0.5, centered=True)),
-    "adagrad": (torch.optim.Adagrad, dict(lr=0.1)),
+    name: factory
+    for name, factory in CATALOGUES["torch"].items()
+    if name != "adam_decoupled"
+    or "decoupled_weight_decay" in inspect.signature(torch.optim.Adam).parameters
 }
 
 
@@ -73,8 +56,7 @@ def make(model_name: str, opt: str | None = None, param_groups=None):
         cls, groups = param_groups(model)
         optimizer = cls(groups)
     else:
-        cls, kw = OPTIMIZERS[opt]
-        optimizer = cls(model.parameters(), **kw)
+        optimizer = OPTIMIZERS[opt](model.parameters())
 
     def loss_fn(x, y):
         return F.cross_entropy(model(x), y)
