@@ -151,10 +151,15 @@ def _keras_or_variable_graph(opt_fn, kind, steps, use_keras):
         x = tf1.placeholder(tf.float32, [None, 2])
         y = tf1.placeholder(tf.int32, [None])
         if use_keras:
+            # Named: the state's order follows the variables' names, which Keras would
+            # otherwise number from a process-wide counter (other tests' layers shift it).
             hidden = keras.layers.Dense(
-                8, activation="tanh", kernel_initializer=keras.initializers.GlorotUniform(seed=0)
+                8,
+                activation="tanh",
+                kernel_initializer=keras.initializers.GlorotUniform(seed=0),
+                name="hidden",
             )
-            out = keras.layers.Dense(2, kernel_initializer="ones")
+            out = keras.layers.Dense(2, kernel_initializer="ones", name="out")
             tf1.set_random_seed(0)
 
             def loss_fn():

@@ -83,23 +83,30 @@ def _assert_same(got: dict, ref: dict) -> None:
 )
 def test_fused_equals_the_plain_loop_over_split_calls(name):
     config = _config(name)
-    per_call = SAMPLE[name][2]
-    model, opt, loss_fn, batch = sweep.problem(config)
+    got = _fused_over_two_calls_equals_the_plain_loop(
+        lambda: sweep.problem(config), SAMPLE[name][2]
+    )
+    assert any(k.startswith("state") for k in got)  # the whole state was compared
+
+
+def _fused_over_two_calls_equals_the_plain_loop(make, per_call: int) -> dict:
+    """Two fused calls of ``per_call`` steps against ``2 * per_call`` plain steps, each on
+    a fresh ``make()`` problem: losses, parameters and optimizer state. The program
+    compiled before torch created the state serves the state it created (each key
+    shaped, typed and placed as torch makes it): one compile for both calls."""
+    model, opt, loss_fn, batch = make()
     ref_losses = sweep.plain_loop(model, opt, loss_fn, batch, 2 * per_call)
     ref = sweep.flat(model, opt)
-
-    model, opt, loss_fn, batch = sweep.problem(config)
+    model, opt, loss_fn, batch = make()
     fit = sft.fuse(loss_fn, opt, steps=per_call, model=model, chunk=1)
     assert_fused(fit)
     losses = np.concatenate([fit(*batch).loss, fit(*batch).loss])
     assert_fused(fit)
-    # the program compiled before torch created the state serves the state it created
-    # (each key shaped, typed and placed as torch makes it): one compile for both calls
     assert fit.compiles == 1, fit.compiles
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=ATOL, err_msg="losses")
     got = sweep.flat(model, opt)
     _assert_same(got, ref)
-    assert any(k.startswith("state") for k in got)  # the whole state was compared
+    return got
 
 
 def test_scalar_state_keeps_torchs_dtype_and_device():
@@ -141,17 +148,7 @@ def test_muon_fused_equals_the_plain_loop_under_its_inductor_options():
     """Muon's bfloat16 Newton-Schulz iterations equal eager torch's: the program applies
     the rule's inductor options (emulate_precision_casts) over its own."""
     assert _rules.RULES[torch.optim.Muon].inductor["emulate_precision_casts"] is True
-    model, opt, loss_fn, batch = _muon_problem()
-    ref_losses = sweep.plain_loop(model, opt, loss_fn, batch, 6)
-    ref = sweep.flat(model, opt)
-    model, opt, loss_fn, batch = _muon_problem()
-    fit = sft.fuse(loss_fn, opt, steps=3, model=model, chunk=1)
-    losses = np.concatenate([fit(*batch).loss, fit(*batch).loss])
-    assert_fused(fit)
-    assert fit.compiles == 1, fit.compiles
-    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=ATOL, err_msg="losses")
-    got = sweep.flat(model, opt)
-    _assert_same(got, ref)
+    got = _fused_over_two_calls_equals_the_plain_loop(_muon_problem, 3)
     assert "state0.momentum_buffer" in got
 
 

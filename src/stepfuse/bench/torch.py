@@ -160,22 +160,23 @@ def model_contenders(size: str, n: int, lr: float = 0.01) -> Any:
         run.fit = fit  # type: ignore[attr-defined]  # its mode goes next to its time
         return run
 
-    def eager():
-        net = model()
-        opt = torch.optim.SGD(net.parameters(), lr=lr)
-
-        def run(m):
-            for _ in range(m):
-                opt.zero_grad()
-                loss = F.cross_entropy(net(x), y)
-                loss.backward()
-                opt.step()
-            return loss.item()
-
-        return run
-
-    builders = {"stepfuse": stepfuse, "eager per step": eager}
+    builders = {"stepfuse": stepfuse, "eager per step": lambda: _eager(model(), x, y, lr)}
     return builders, {name: min(n, cap) for name, cap in MAX_TIMED[size].items()}
+
+
+def _eager(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float) -> Any:
+    """The plain loop a user writes: ``zero_grad(); backward(); step()`` per step (SGD)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+
+    def run(m):
+        for _ in range(m):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+        return loss.item()
+
+    return run
 
 
 def data(size: str) -> Any:
@@ -224,18 +225,7 @@ def contenders(size: str, n: int, lr: float = 0.01, chunk: int | None = None) ->
         return run
 
     def eager():
-        model = MLP(layers)
-        opt = torch.optim.SGD(model.parameters(), lr=lr)
-
-        def run(m):
-            for _ in range(m):
-                opt.zero_grad()
-                loss = F.cross_entropy(model(x), y)
-                loss.backward()
-                opt.step()
-            return loss.item()
-
-        return run
+        return _eager(MLP(layers), x, y, lr)
 
     def compiled_step():
         def build():

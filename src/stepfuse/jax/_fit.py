@@ -28,6 +28,7 @@ from .._core import (
     paced_every,
     run_stepwise,
 )
+from .._core.data import Batches, Epochs
 from . import _host, _program
 from ._checks import (
     Loss,
@@ -144,6 +145,13 @@ class Fit:
                 "Make one with fit.init(params) and pass the state each call returns."
             )
         n = check_call_steps(steps, self.opts, capped=True)  # both modes: one contract
+        for j, b in enumerate(batch):
+            if isinstance(b, (Batches, Epochs)):
+                raise TypeError(
+                    f"`batch[{j}]` is a stepfuse.{type(b).__name__}: data streams do not run on "
+                    "the JAX backend yet (they do on stepfuse.tf and stepfuse.torch). Stack the "
+                    "minibatches yourself and index them in loss_fn, or pass a fixed batch."
+                )
         if self.opts.mode == "stepwise":
             if inside_a_trace():
                 raise TypeError(

@@ -2,11 +2,14 @@
 
 ``fuse(loss_fn, optimizer, variables, steps=...)`` returns a `Fit`; ``trace = fit(*batch)``
 runs the steps in one ``tf.function`` call and updates the variables and the optimizer
-state in place. TF1 graph mode (``sess.run``) lives in `stepfuse.tf.v1`.
+state in place. A call's arguments may be streams (`stepfuse.Batches`, `stepfuse.Epochs`,
+a ``tf.data`` iterator; `OutOfDataError` when one runs out). TF1 graph mode
+(``sess.run``) lives in `stepfuse.tf.v1`.
 """
 
 from . import v1 as v1
+from ._data import OutOfDataError as OutOfDataError
 from ._fit import Fit as Fit
 from ._fit import fuse as fuse
 
-__all__ = ["Fit", "fuse", "v1"]
+__all__ = ["Fit", "OutOfDataError", "fuse", "v1"]

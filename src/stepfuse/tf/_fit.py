@@ -38,10 +38,10 @@ from ._checks import (
     _check_optimizer,
     _check_variables,
     _fail,
-    _flat_batch,
     _learning_rate_of,
     _tf_var,
 )
+from ._data import Streams
 from ._loop import _INT, _all_finite, _inner_loop, _outer_loop
 
 try:  # a gradient tape left open around a call must not record it (see `Fit._call`)
@@ -154,6 +154,7 @@ class Fit:
         # flat and `_loss_and_grads` packs them back for loss_fn (dicts, tuples ...).
         self._structure = None
         self._probes: dict[Any, tuple[tf.DType, tuple[str, ...]]] = {}  # see `_probe`
+        self._streams = Streams()  # Batches / Epochs / tf.data arguments (see `_data`)
         self._build()
 
     @property
@@ -243,7 +244,7 @@ class Fit:
         self._build()
 
     def _loss_and_grads(self, batch):
-        batch = tf.nest.pack_sequence_as(self._structure, list(batch))
+        batch, has = self._streams.unpack(self._structure, batch)
         with tf.GradientTape() as tape:
             try:
                 loss = self.loss_fn(*batch)
@@ -283,6 +284,8 @@ class Fit:
                 f"No gradient reaches {missing}: read those variables inside loss_fn "
                 "(not their numpy() values), or leave them out of `variables`.",
             )
+        if has:  # an iterator ran out: a NaN loss refuses the step (`_data.OutOfDataError`)
+            loss = tf.where(has[0], loss, tf.constant(float("nan"), loss.dtype))
         return loss, grads
 
     def _apply_checked(self, loss, grads):
@@ -359,8 +362,8 @@ class Fit:
                 "back on the host. Call fit(*batch) from Python; for TF1 graphs use "
                 "stepfuse.tf.v1.fuse."
             )
-        batch, structure = _flat_batch(batch)
         start = self.step
+        batch, structure = self._streams.flatten(batch, n, start, self)
         if structure != self._structure:  # another nesting of tensors: trace again
             if self._structure is not None:
                 self._build()
@@ -395,9 +398,9 @@ class Fit:
                 self._notifier = None
             notifier.done(applied, None if last is None else float(last))
             self.step = start + int(applied)
-        return finish(
-            host_trace(losses, int(applied), int(stop), self.opts.record_every), self.opts, start
-        )
+        trace = host_trace(losses, int(applied), int(stop), self.opts.record_every)
+        self._streams.check_exhausted(trace, start, self.opts.record_every)
+        return finish(trace, self.opts, start)
 
     def _run(self, n, start, batch):
         """The call's program: ``(losses as numpy, applied, stop, last loss)``; the last loss
@@ -506,6 +509,7 @@ class Fit:
                 propose, commit, n, self.opts, start, notifier if self.opts.notify else None
             )
             notifier.done(trace.steps)
+        self._streams.check_exhausted(trace, start, self.opts.record_every)
         return finish(trace, self.opts, start)
 
 

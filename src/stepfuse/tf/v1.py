@@ -30,6 +30,7 @@ from .._core import (
 from .._core.options import shared_doc_of
 from ._checks import _check_jit_compile, _fail
 from ._loop import _inner_loop, _outer_loop
+from ._v1_data import V1Data
 from ._v1_graph import (
     _check_graph_mode,
     _prepare,
@@ -112,10 +113,13 @@ class Fused(Fit):
     counter: Any
     notes: dict[str, Any]
     max_steps: int | None
+    streams: Any = None
 
     def run(self, sess: Any, feed_dict: dict | None = None, steps: int | None = None) -> Trace:
         """Run the loop once in ``sess`` and return the host `stepfuse.Trace`."""
         feed = dict(feed_dict or {})
+        if self.streams is not None:
+            self.streams.check_feed(feed, self.opts.steps if steps is None else steps)
         if steps is not None and not (
             type(steps) is int and steps == self.opts.steps and self.max_steps
         ):
@@ -166,6 +170,7 @@ class Stepwise(Fit):
     placeholders: list
     commit_op: Any
     steps_tensor: Any
+    streams: Any = None
 
     def run(self, sess: Any, feed_dict: dict | None = None, steps: int | None = None) -> Trace:
         """Run ``steps`` (default: the built ``steps``; a tensor ``steps`` is evaluated
@@ -174,8 +179,14 @@ class Stepwise(Fit):
         if steps is None and self.steps_tensor is not None:
             steps = int(sess.run(self.steps_tensor, feed))
         n = self.opts.steps if steps is None else _check_run_steps(steps)
+        if self.streams is not None:
+            self.streams.check_feed(feed, n)
+        at = [0]  # the step's index in the run (its minibatch with `data`)
 
         def propose():
+            if self.streams is not None:
+                feed[self.streams.index] = at[0]
+                at[0] += 1
             loss, finite, new = sess.run([self.loss_t, self.finite, self.new], feed)
             return loss, bool(finite), new
 
@@ -222,6 +233,7 @@ def fuse(
     global_step: Any = None,
     callback: Callable[[int, float], Any] | None = None,
     every: int | None = None,
+    data: Any = None,
 ) -> Fit:
     """Build ``steps`` TF1 optimizer updates that run inside one ``sess.run``.
 
@@ -257,6 +269,10 @@ def fuse(
         (``tf.numpy_function``), also for an int ``steps``; ``run`` re-raises a
         callback's exception as it is, and a bare ``sess.run`` raises TF's error
         wrapping it.
+      data: None, or a `stepfuse.Batches` of graph tensors (placeholders) holding
+        stacked minibatches: ``loss_fn(*minibatch)`` is then called with step ``i``'s
+        slices (``xs[i], ys[i]``) and the stack is fed once per run; ``run`` checks that
+        it holds at least the run's steps (docs/guides/data_tf.md).
       chunk: the most steps one launch of the compiled inner loop runs (XLA needs a
         static-size loss buffer). Default: ``steps`` (at least 256) for an int ``steps``,
         1024 for a tensor. With an int ``steps`` up to ``chunk`` a run is one call of that
@@ -317,7 +333,11 @@ def fuse(
             "None or a scalar integer variable",
             "Pass e.g. tf1.train.get_or_create_global_step().",
         )
-    loss0, var_list, state = _prepare(loss_fn, optimizer, var_list)
+    streams = None if data is None else V1Data(data, mode == "stepwise", steps_given)
+    first = loss_fn
+    if streams is not None:
+        first, loss_fn = streams.wrap(loss_fn)
+    loss0, var_list, state = _prepare(first, optimizer, var_list)
     if global_step is not None and all(v is not global_step for v in state):
         state = state + [global_step]  # a refused update leaves it too; stepwise commits it
     _warn_stale_hyper_parameters(optimizer, state)
@@ -331,6 +351,7 @@ def fuse(
             loss0,
             steps_given if isinstance(steps_given, (tf.Tensor, tf.Variable)) else None,
             global_step,
+            streams,
         )
     if isinstance(steps_given, (tf.Tensor, tf.Variable)):
         n = tf.cast(steps_given, tf.int32)
@@ -415,7 +436,8 @@ def fuse(
     # `loss` fetched with the loop in one run is the loss before the run's updates, as with
     # `sess.run([loss, optimizer.minimize(loss)])`: the loop waits for its variable reads
     # (only the reads: a run of the loop alone does not pay for the forward pass).
-    with tf1.name_scope("stepfuse_loop"), tf.control_dependencies(_variable_reads(loss0)):
+    resets = [] if streams is None else streams.resets()
+    with tf1.name_scope("stepfuse_loop"), tf.control_dependencies(_variable_reads(loss0) + resets):
         if chained:
             inner = tf.function(inner_py, jit_compile=bool(jit_compile), autograph=False)
             positive = tf.debugging.Assert(
@@ -475,6 +497,7 @@ def fuse(
         counter=counter,
         notes=notes,
         max_steps=None if chained else chunk,
+        streams=streams,
     )
 
 
@@ -487,6 +510,7 @@ def _build_stepwise(
     loss0: Any,
     steps_tensor: Any = None,
     global_step: Any = None,
+    streams: Any = None,
 ) -> Stepwise:
     loss, snapshot, new, finite = _step_ops(loss_fn, optimizer, var_list, state, global_step)
     with tf.control_dependencies(new + [finite, loss]):
@@ -509,6 +533,7 @@ def _build_stepwise(
         optimizer=optimizer,
         step=0,
         steps_tensor=steps_tensor,
+        streams=streams,
     )
 
 

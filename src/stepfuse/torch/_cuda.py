@@ -72,9 +72,12 @@ def build_graphs(
     s = types.SimpleNamespace()
     s.n, s.i0, s.base = i64(), i64(), i64()
     s.code, s.applied = i64(), i64()
+    # Static buffers for the batch: with data streams, the program's inputs (the stacked
+    # minibatches, an Epochs' whole dataset and permutation: `stepfuse.torch._data.Fed`).
     s.batch = _pytree.tree_map(
         lambda b: b.detach().clone() if isinstance(b, torch.Tensor) else b, tuple(batch)
     )
+    s.fed = {}  # leaf -> (source tensor, its version) last copied into the static buffer
     s.carry = spec.start(
         prev.detach(),
         ceil_div(cap, spec.record_every) + 2,
@@ -109,6 +112,15 @@ def build_graphs(
     return s
 
 
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (bumped by every in-place change), None where it has none
+    (an inference-mode tensor: then it is copied every time)."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return None
+
+
 def run_graphs(
     s: types.SimpleNamespace,
     chunk: int,
@@ -121,12 +133,16 @@ def run_graphs(
     buffers: Sequence[torch.Tensor],
     batch: tuple,
 ) -> Result:
-    """One segment of up to ``n`` steps on the captured graphs (a `Result`)."""
-    for dst, src in zip(
-        _pytree.tree_leaves(s.batch), _pytree.tree_leaves(tuple(batch))
-    ):  # nested ones too
+    """One segment of up to ``n`` steps on the captured graphs (a `Result`). A batch
+    tensor already in its static buffer (the same tensor, unchanged since: an `Epochs`'
+    dataset, segment after segment) is not copied again; the graphs never write them."""
+    leaves = zip(_pytree.tree_leaves(s.batch), _pytree.tree_leaves(tuple(batch)))  # nested too
+    for k, (dst, src) in enumerate(leaves):
         if isinstance(dst, torch.Tensor):
-            dst.copy_(src)
+            last, version = s.fed.get(k), _version(src)
+            if last is None or last[0] is not src or version is None or last[1] != version:
+                dst.copy_(src)
+                s.fed[k] = (src, version)
     c: Carry = s.carry
     for dst, src in zip(c.params + c.states + c.buffers, [*params, *states, *buffers]):
         dst.copy_(src)

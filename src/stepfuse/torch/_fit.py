@@ -12,10 +12,10 @@ runs the identical semantics with eager ``loss.backward(); optimizer.step()`` th
 naming the reason (`stepfuse.torch._probe`), when the fused path cannot handle a model or
 optimizer.
 
-The modules by job: `_rules` (the optimizers' update rules), `_state` (the optimizer
-state's layout), `_program` (the compiled loop), `_cuda` (CUDA graphs), `_probe` (probing
-the loss, fallback reasons), `_ops` (the shared step semantics over torch tensors); this
-module holds the `Fit` (setup, fallback policy, the host driver of a call) and `fuse`.
+The modules by job: `_rules` (the optimizers' update rules), `_state` (the optimizer state's
+layout), `_program` (the compiled loop), `_cuda` (CUDA graphs), `_probe` (probing the loss,
+fallback reasons), `_data` (data streams), `_ops` (the step semantics over torch tensors);
+this module holds the `Fit` (setup, fallback policy, the host driver of a call) and `fuse`.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from .._core import (
     run_stepwise,
     shared_doc,
 )
-from . import _cuda, _program
+from . import _cuda, _data, _program
 from ._probe import (
     BatchError,
     Resolved,
@@ -118,6 +118,7 @@ class Fit:
         self._program: Any = None
         self._program_key: tuple | None = None
         self._captured: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+        self._fed = _data.Fed((), torch.device("cpu"), 0, 0)  # the call's arguments (`__call__`)
         self._resolved: Resolved | None = None
         self._modules = [model] if model is not None else find_modules(loss_fn)
         self._rule = RULES.get(type(optimizer))
@@ -182,6 +183,7 @@ class Fit:
             r.buffers,
             *self._clip,
             self._rnn,
+            self._fed.pick,
         )
 
     def _compile(self, fn: Callable, kind: str, inductor_options: dict[str, Any]) -> Callable:
@@ -226,19 +228,17 @@ class Fit:
         )
         return program
 
-    def _ensure_program(self, batch: tuple) -> None:
+    def _ensure_program(self) -> None:
         """Build (compile / capture) the fused program if needed; may fall back to stepwise.
 
         A program serves one set of hyper-parameters (they are compiled in) and one batch
-        signature (shapes, dtypes, nesting): each new one builds its own program, and the
-        last `_GRAPH_CACHE` of them are kept (a smaller last batch of an epoch does not
-        recompile every epoch). A program of its own per signature, rather than dynamo's
-        recompiles of one, never meets dynamo's recompile limit with varying shapes.
-
-        A build that fails for a reason outside the model (`stepfuse.torch._probe.transient`) is tried again
-        before the fit falls back; a fallback's reason holds the whole error.
+        signature (shapes, dtypes, nesting, the streams' layout: `_data.Fed.key`); each new
+        one builds its own program, the last `_GRAPH_CACHE` of them are kept (never dynamo's
+        recompiles of one, which meet its recompile limit). A build that fails for a reason
+        outside the model (`_probe.transient`) is tried again before the fit falls back; a
+        fallback's reason holds the whole error.
         """
-        key = (self._hyper_key(), _program.batch_key(batch), self._mask)
+        key = (self._hyper_key(), self._fed.key, self._mask)
         if self._program is not None and self._program_key == key:
             return
         if key in self._captured:
@@ -261,7 +261,7 @@ class Fit:
         self._program = None
         for attempt in range(_BUILD_TRIES):
             try:
-                self._program = self._build(params, states, batch, prev)
+                self._program = self._build(params, states, self._fed.inputs(0), prev)
                 break
             except Exception as e:  # noqa: BLE001 - any compile failure means: run stepwise
                 interrupt = interrupt_inside(e)
@@ -296,7 +296,7 @@ class Fit:
         """Run ``steps`` (default: the ``steps`` given to `fuse`) updates on ``batch``.
 
         Args:
-          *batch: the arguments of ``loss_fn`` (tensors), passed once for all steps.
+          *batch: the arguments of ``loss_fn`` (tensors, `stepfuse.Batches`, `Epochs`), fed once.
           steps: updates of this call; any ``int >= 1`` reuses the same compiled program.
 
         Returns:
@@ -304,6 +304,7 @@ class Fit:
         """
         n = check_call_steps(steps, self.opts, capped=False)
         check_params_unchanged(self.optimizer, self._params)
+        self._fed = _data.Fed(batch, self._params[0].device, self.step, n)  # checks the streams
         self._read_trainable()
         grads_before = [p.grad for p in self._params]
         snap = snapshot(self.optimizer, self._params)
@@ -312,17 +313,17 @@ class Fit:
             reason = hooks_reason(self.optimizer, self._params, self._modules)
             if reason is not None:
                 self._fall_back(f"{reason}; pass mode='stepwise' to silence this warning.")
-        self._probe(batch)
+        self._probe(self._fed.at(0))  # a step's own arguments (the first minibatch)
         start = self.step
         if self.mode == "fused":
-            self._ensure_program(batch)
+            self._ensure_program()
         # A fit whose loss draws runs a call fused once its program drew as eagerly.
-        eager = self.mode == "stepwise" or not self._draws_verified(batch)
+        eager = self.mode == "stepwise" or not self._draws_verified(self._fed.at(0))
         try:
             if eager:
-                trace = self._call_stepwise(batch, n, start)
+                trace = self._call_stepwise(n, start)
             else:
-                trace = self._call_fused(batch, n, start)
+                trace = self._call_fused(n, start)
         except BaseException:
             if self.mode == "fused" and self.step == start:
                 # nothing was applied: leave parameters and state exactly as they were
@@ -435,10 +436,10 @@ class Fit:
             restore(self.optimizer, self._params, new_s)
             self.step += 1
 
-    def _call_stepwise(self, batch: tuple, n: int, start: int) -> Trace:
+    def _call_stepwise(self, n: int, start: int) -> Trace:
         with Notifier(self.opts, start, n, "stepfuse.torch") as note:
             trace = run_stepwise(
-                lambda: self._propose(batch),
+                lambda: self._propose(self._fed.at(self.step - start)),  # the step's arguments
                 self._commit,
                 n,
                 self.opts,
@@ -450,12 +451,12 @@ class Fit:
 
     # fused: eager first step if the optimizer has no state yet, then program segments ------
 
-    def _segment(self, n: int, i0: int, prev: torch.Tensor, batch: tuple) -> _program.Result:
-        """Up to ``n`` steps on the program, from step ``i0`` of the call."""
+    def _segment(self, n: int, i0: int, prev: torch.Tensor) -> _program.Result:
+        """Up to ``n`` steps on the program, from step ``i0`` of the call (`_data.Fed`)."""
         params = [p.detach() for p in self._train]
         states = self._state.tensors(placeholder=False)
         buffers = [b.detach() for b in self._buffers()]
-        re, b = self.opts.record_every, tuple(batch)
+        re, b = self.opts.record_every, self._fed.inputs(i0)
         if self._cuda:
             return _cuda.run_graphs(
                 self._program, self.chunk, re, n, i0, prev, params, states, buffers, b
@@ -464,7 +465,7 @@ class Fit:
             self._program, self._cap, re, n, i0, prev, params, states, buffers, b, self._rnn
         )
 
-    def _call_fused(self, batch: tuple, n: int, start: int) -> Trace:
+    def _call_fused(self, n: int, start: int) -> Trace:
         opts = self.opts
         re, every = opts.record_every, opts.every or 1
         losses: list[np.ndarray] = []
@@ -476,7 +477,7 @@ class Fit:
             if not self._state.ready():
                 # torch creates the state lazily in step(); let it (exact init semantics).
                 first = run_stepwise(
-                    lambda: self._propose(batch),
+                    lambda: self._propose(self._fed.at(0)),
                     self._commit,
                     1,
                     dataclasses.replace(opts, steps=1, tol=None, record_every=1),
@@ -488,16 +489,15 @@ class Fit:
                 if first.steps:
                     prev = torch.tensor(float(first.loss[0]), dtype=self._loss_dtype, device=dev)
             while i < n and stop == Stop.STEPS:
-                seg = min(n - i, self._cap)
+                seg = min(n - i, self._cap, self._fed.room(i))  # one epoch's order a segment
                 if notify is not None:  # end the segment where the next notification is due
                     seg = min(seg, next_multiple(self.step, every) - self.step)
-                out = self._segment(seg, i, prev, batch)
+                out = self._segment(seg, i, prev)
                 stop, applied = Stop(int(out.code)), int(out.applied)
                 flow = out.carry.flow
                 evaluated = applied + (1 if stop == Stop.NONFINITE else 0)
                 kept = n_recorded(i + evaluated, re) - n_recorded(i, re)
-                # float64 stays float64, any other float (bfloat16 too) is recorded as float32
-                buf = out.carry.losses
+                buf = out.carry.losses  # float64 stays, any other float (bfloat16 too) as float32
                 wide = buf.dtype == torch.float64
                 losses.append(
                     buf[:kept].detach().to("cpu", torch.float64 if wide else torch.float32).numpy()
@@ -514,7 +514,7 @@ class Fit:
                     if i < n and self._program_key[0] != self._hyper_key():
                         # The callback changed a hyper-parameter (its lr ...): the rest of the
                         # call runs with it, as the stepwise loop would.
-                        self._ensure_program(batch)
+                        self._ensure_program()
                         if self.mode != "fused":
                             raise RuntimeError(
                                 f"stepfuse.torch: the callback set hyper-parameters the fused program "

@@ -587,7 +587,7 @@ def check_draws(fit: Any, batch: tuple) -> bool | str:
                 return False
             set_rng_states(cuda, start)
             nan = torch.tensor(math.nan, dtype=fit._loss_dtype, device=params[0].device)
-            out = fit._segment(1, 0, nan, batch)
+            out = fit._segment(1, 0, nan)
             fused_rng = rng_states(cuda)
     finally:
         with torch.no_grad():

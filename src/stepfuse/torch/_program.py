@@ -115,6 +115,10 @@ class Body(NamedTuple):
     """``clip_value`` of ``torch.nn.utils.clip_grad_value_`` between gradient and update."""
     rnn: bool = False
     """Whether the modules hold recurrent layers (traced and run within `traceable`)."""
+    pick: Callable[[Sequence[Any], Any], tuple] | None = None
+    """``pick(batch, i)``: the arguments of ``loss_fn`` at the call's step ``i`` (a 0-dim
+    tensor) from the program's ``batch`` (`stepfuse.torch._data.Fed.pick`, data streams);
+    None: ``batch`` is the arguments, the same every step."""
 
     def carry(self, flat: Sequence[torch.Tensor]) -> Carry:
         """The named view of a flat carry (`Carry.flat` inverted)."""
@@ -157,14 +161,14 @@ class Body(NamedTuple):
         wrapper, names, others, update = self.wrapper, self.names, self.others, self.update
         bnames = self.buffers
 
-        def loss_of(ps, bs):
+        def loss_of(ps, bs, args):
             held = {k: wrapper.get_parameter(k).detach() for k in others}
             # The forward changes buffers in place (BatchNorm): on copies made inside the
             # transformed function, returned as the step's new buffers (a mutation of the
             # carried ones would be one of a captured tensor, which torch.func refuses).
             bs = [b.clone() for b in bs]
             tensors = {**held, **dict(zip(bnames, bs)), **dict(zip(names, ps))}
-            return torch.func.functional_call(wrapper, tensors, batch), tuple(bs)
+            return torch.func.functional_call(wrapper, tensors, args), tuple(bs)
 
         grad_and_loss = torch.func.grad_and_value(loss_of, has_aux=True)
 
@@ -176,7 +180,9 @@ class Body(NamedTuple):
             spare = losses.shape[0] - 1
             for _ in range(self.chunk):
                 active = loop.running(TORCH, flow, n, met)
-                grads, (loss, new_b) = grad_and_loss(tuple(ps), tuple(bs))
+                ic = i0 + flow.i  # index of this step within the user's call
+                args = batch if self.pick is None else self.pick(batch, ic)
+                grads, (loss, new_b) = grad_and_loss(tuple(ps), tuple(bs), args)
                 loss = loss.detach()
                 grads = clip_grads(list(grads), self.clip_norm, self.clip_value)
                 new_p = [p.clone() for p in ps]  # torch's update works in place: on copies
@@ -191,7 +197,6 @@ class Body(NamedTuple):
                 ps = [torch.where(ok, a, b) for a, b in zip(new_p, ps)]
                 ss = [torch.where(ok, a, b) for a, b in zip(new_s, ss)]
                 bs = [torch.where(ok, a.detach(), b) for a, b in zip(new_b, bs)]
-                ic = i0 + flow.i  # index of this step within the user's call
                 slot = torch.where(
                     active, loop.record_slot(ic, self.record_every, base, spare, TORCH), spare
                 )
@@ -365,12 +370,14 @@ def traceable(rnn: bool) -> Iterator[None]:
             setattr(base, k, v)
 
 
-def batch_key(batch: Sequence[Any]) -> tuple:
+def batch_key(batch: Sequence[Any], slots: tuple = ()) -> tuple:
     """What a compiled program is specialised to: the batch's nesting and, per leaf, a
     tensor's shape, dtype and device or another value itself (never a tensor's repr,
-    which elides the values of a large one)."""
+    which elides the values of a large one); with data streams, the program's inputs and
+    the call's ``slots`` (`stepfuse._core.data.Slot`: how the program picks a step's
+    arguments from them)."""
     leaves, spec = _pytree.tree_flatten(tuple(batch))
-    return (str(spec),) + tuple(
+    return (str(spec), *slots) + tuple(
         (tuple(t.shape), t.dtype, t.device)
         if isinstance(t, torch.Tensor)
         else (type(t).__name__, repr(t))

@@ -1,0 +1,479 @@
+"""Data streams, defined once: a different minibatch at every step of a call.
+
+A call's positional arguments may be fixed arrays (the same every step, as the seed's
+batch) or streams:
+
+- `Batches` ``(*arrays)``: stacked minibatches; step ``i`` of a call uses ``a[i]`` of each
+  array ``a``.
+- `Epochs` ``(*arrays, batch_size, shuffle, seed)``: a resident dataset; the fit's global
+  step ``t`` uses rows ``order(t // steps_per_epoch)[(t % steps_per_epoch) * batch_size :
+  ... + batch_size]`` (full batches only). The order is a function of ``(seed, epoch)``
+  alone, so a fit resumed from a checkpoint (which holds ``t``) continues with exactly
+  the minibatches of an uninterrupted run.
+
+Each stream expands to as many arguments of ``loss_fn`` as it holds arrays, in place:
+``fit(Batches(xs), y)`` calls ``loss_fn(xs[i], y)`` at step ``i``.
+
+The epoch's order is defined by integer arithmetic every framework does exactly
+(`epoch_keys`, over `IntOps`): 32-bit words kept in a wider integer type or an unsigned
+32-bit one, mixed by the 32-bit finaliser of MurmurHash3, a bijection, so the keys of
+one epoch are distinct and their ``argsort`` is one permutation, on the host
+(`Epochs.order`) and on every device. The backends gather the rows inside their loops
+(`Feed`); this module holds what does not depend on a framework.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import numbers
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from .options import fail
+
+__all__ = [
+    "Batches",
+    "Epochs",
+    "Feed",
+    "IntOps",
+    "NUMPY_INTS",
+    "Slot",
+    "epoch_keys",
+    "feed_of",
+]
+
+_M32 = 0xFFFFFFFF
+
+
+class IntOps(Protocol):
+    """The integer functions `epoch_keys` needs (``+`` and ``*`` are operators)."""
+
+    def xor(self, a: Any, b: Any) -> Any: ...
+
+    def band(self, a: Any, b: Any) -> Any: ...
+
+    def shr(self, a: Any, k: int) -> Any: ...
+
+    def shl(self, a: Any, k: int) -> Any: ...
+
+    def const(self, c: int) -> Any:
+        """The 32-bit constant ``c`` in the backend's type (a Python int where it mixes)."""
+        ...
+
+
+class _NumpyInts:
+    @staticmethod
+    def xor(a: Any, b: Any) -> Any:
+        return np.bitwise_xor(a, b)
+
+    @staticmethod
+    def band(a: Any, b: Any) -> Any:
+        return np.bitwise_and(a, b)
+
+    @staticmethod
+    def shr(a: Any, k: int) -> Any:
+        return np.right_shift(a, k)
+
+    @staticmethod
+    def shl(a: Any, k: int) -> Any:
+        return np.left_shift(a, k)
+
+    @staticmethod
+    def const(c: int) -> Any:
+        return np.int64(c)
+
+
+NUMPY_INTS: IntOps = _NumpyInts()
+"""`IntOps` over NumPy ``int64`` arrays (the host's `Epochs.order`)."""
+
+
+def _mul32(ops: IntOps, x: Any, c: int) -> Any:
+    """``x * c mod 2**32`` for a 32-bit ``x`` and constant ``c``, in halves of ``c``: no
+    intermediate exceeds 2**49 in a 64-bit type, and an unsigned 32-bit type wraps."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return ops.band(x * lo + ops.shl(ops.band(x * hi, 0xFFFF), 16), ops.const(_M32))
+
+
+def _fmix32(ops: IntOps, h: Any) -> Any:
+    """MurmurHash3's 32-bit finaliser: a bijection of 32-bit words."""
+    h = ops.xor(h, ops.shr(h, 16))
+    h = _mul32(ops, h, 0x85EBCA6B)  # (constants below 2**16 are ints of every type)
+    h = ops.xor(h, ops.shr(h, 13))
+    h = _mul32(ops, h, 0xC2B2AE35)
+    return ops.xor(h, ops.shr(h, 16))
+
+
+def epoch_keys(ops: IntOps, epoch: Any, rows: Any, seed: int) -> Any:
+    """The sort keys of an epoch's rows: ``argsort(epoch_keys(...))`` is the epoch's order.
+
+    ``epoch``: a non-negative integer (scalar) of the backend's integer type; ``rows``:
+    ``0 .. n - 1`` in that type (an unsigned 32-bit type, or a signed one of 64 bits).
+    The keys are distinct (a bijection of ``rows + c`` for one ``c`` per epoch), so any
+    sort, stable or not, gives the same permutation.
+    """
+    k = ops.const
+    s0, s1 = k(seed & _M32), k((seed >> 32) & _M32)
+    c = _fmix32(ops, ops.band(ops.xor(epoch, s1) + k(0x9E3779B9), k(_M32)))
+    c = _fmix32(ops, ops.band(ops.xor(c, s0) + k(0x7F4A7C15), k(_M32)))
+    return _fmix32(ops, ops.band(rows + c, k(_M32)))
+
+
+def _is_array(a: Any) -> bool:
+    return hasattr(a, "shape") and hasattr(a, "dtype") and not isinstance(a, (Batches, Epochs))
+
+
+def _check_arrays(cls: str, arrays: Sequence[Any], what: str) -> int:
+    """The common leading length of ``arrays``, or a ValueError naming the offending one."""
+    if not arrays:
+        raise ValueError(
+            f"`{cls}(*arrays)` needs at least one array; got none. Pass the {what}, "
+            f"e.g. {cls}(x, y)."
+        )
+    for j, a in enumerate(arrays):
+        if not _is_array(a):
+            fail(
+                ValueError,
+                f"{cls}(*arrays)[{j}]",
+                a if isinstance(a, (int, float, str)) else type(a).__name__,
+                "an array (NumPy, JAX, TensorFlow or torch) with a leading axis",
+                "Convert it first, e.g. np.asarray(data); a stream holds arrays only.",
+            )
+        if len(a.shape) == 0:
+            raise ValueError(
+                f"`{cls}(*arrays)[{j}]` must have a leading axis to index; got a scalar "
+                f"array (shape ()). Pass a scalar as a fixed argument of the call instead."
+            )
+    lengths = [int(a.shape[0]) for a in arrays]
+    if len(set(lengths)) > 1:
+        raise ValueError(
+            f"`{cls}(*arrays)` must all have the same leading length ({what}); got leading "
+            f"axes {lengths} (shapes {[tuple(a.shape) for a in arrays]}). Cut or pad them to "
+            "one length."
+        )
+    return lengths[0]
+
+
+def _stack(items: list[Any]) -> Any:
+    """``items`` (arrays of one framework) stacked along a new leading axis, by that
+    framework (a torch stack stays on its device)."""
+    module = type(items[0]).__module__.split(".")[0]
+    if module == "torch":
+        import torch
+
+        return torch.stack(items)
+    if module in ("jax", "jaxlib"):
+        import jax.numpy as jnp
+
+        return jnp.stack(items)
+    if module == "tensorflow":
+        import tensorflow as tf
+
+        return tf.stack(items)
+    return np.stack([np.asarray(a) for a in items])
+
+
+class Batches:
+    """Stacked minibatches: step ``i`` of a call uses ``arrays[j][i]`` of every array.
+
+    The leading axis must hold at least the call's ``steps``; each array's other axes are
+    one minibatch's. A call passes it where the batch would go (``fit(Batches(xs, ys))``
+    is ``loss_fn(xs[i], ys[i])`` at step ``i``), alone or beside fixed arguments.
+
+    Attributes:
+      arrays: the stacked arrays, as given.
+      n: the number of minibatches (the common leading length).
+    """
+
+    def __init__(self, *arrays: Any):
+        self.n: int = _check_arrays("Batches", arrays, "one entry per step")
+        self.arrays: tuple[Any, ...] = tuple(arrays)
+
+    @classmethod
+    def from_iterable(cls, iterable: Iterable[Any], n: int, *, device: Any = None) -> Batches:
+        """The next ``n`` batches of ``iterable`` (e.g. a ``DataLoader``), stacked.
+
+        Each item is an array or a tuple/list of arrays (``(x, y)``), the same structure
+        every time. ``device`` (torch): where the stack goes (``"cuda"``: pinned memory
+        and non-blocking copies); by default, where the items are.
+        """
+        if not (isinstance(n, numbers.Integral) and not isinstance(n, bool)) or n < 1:
+            fail(
+                ValueError,
+                "n",
+                n,
+                "an int >= 1, the number of batches to stack",
+                "Pass the call's steps, e.g. Batches.from_iterable(loader, 100).",
+            )
+        if not hasattr(iterable, "__iter__"):
+            fail(
+                TypeError,
+                "iterable",
+                type(iterable).__name__,
+                "an iterable of batches (a DataLoader, a generator, a list)",
+                "Pass an object you can iterate over, e.g. a torch DataLoader.",
+            )
+        items = list(itertools.islice(iter(iterable), int(n)))
+        if len(items) < n:
+            raise ValueError(
+                f"`iterable` ran out after {len(items)} batches; `n` asks for {n}. Pass a "
+                "smaller n, or an iterable that holds more (e.g. itertools.cycle(loader), "
+                "or a new iterator per epoch)."
+            )
+        single = not isinstance(items[0], (tuple, list))
+        rows = [(item,) if single else tuple(item) for item in items]
+        width = len(rows[0])
+        for k, row in enumerate(rows):
+            if len(row) != width or (single and isinstance(items[k], (tuple, list))):
+                raise ValueError(
+                    f"`iterable`'s batch {k} has {len(row)} parts, batch 0 had {width}: every "
+                    "batch must have the same structure."
+                )
+        columns = []
+        for j in range(width):
+            parts = [row[j] for row in rows]
+            for k, p in enumerate(parts):
+                if not _is_array(p):
+                    fail(
+                        ValueError,
+                        f"iterable (batch {k}, part {j})",
+                        type(p).__name__,
+                        "an array",
+                        "Yield arrays (or tuples of arrays) from the iterable.",
+                    )
+                if tuple(p.shape) != tuple(parts[0].shape):
+                    raise ValueError(
+                        f"`iterable`'s batch {k}, part {j} has shape {tuple(p.shape)}, batch 0 "
+                        f"had {tuple(parts[0].shape)}: stacked batches must all be full (a "
+                        "DataLoader with drop_last=True)."
+                    )
+            columns.append(_to_device(_stack(parts), device))
+        return cls(*columns)
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(str(tuple(a.shape)) for a in self.arrays)
+        return f"Batches({shapes})"
+
+
+def _to_device(stacked: Any, device: Any) -> Any:
+    if device is None:
+        return stacked
+    if type(stacked).__module__.split(".")[0] != "torch":
+        raise ValueError(
+            f"`device` applies to torch tensors; got a stack of {type(stacked).__name__}. "
+            "Drop `device`, or yield torch tensors."
+        )
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and stacked.device.type == "cpu":
+        return stacked.pin_memory().to(device, non_blocking=True)
+    return stacked.to(device)
+
+
+class Epochs:
+    """A resident dataset fed epoch after epoch, each epoch in its own shuffled order.
+
+    The minibatch of the fit's global step ``t`` (the steps applied since ``init``) is
+    rows ``order(t // steps_per_epoch)[(t % steps_per_epoch) * batch_size : ... +
+    batch_size]`` of every array, ``steps_per_epoch = len(x) // batch_size`` (full
+    batches only: the last ``len(x) % batch_size`` rows of an epoch's order are left out).
+    Stateless: the order is a function of ``seed`` and the epoch alone, so a fit restored
+    from a checkpoint continues with the minibatches an uninterrupted run would use.
+
+    Attributes:
+      arrays: the dataset's arrays, as given (each backend puts them on its device once).
+      rows: the number of rows (the common leading length).
+      batch_size, shuffle, seed: as given.
+      steps_per_epoch: full minibatches per epoch.
+    """
+
+    def __init__(self, *arrays: Any, batch_size: int, shuffle: bool = True, seed: int = 0):
+        rows = _check_arrays("Epochs", arrays, "one entry per row of the dataset")
+        if not (isinstance(batch_size, numbers.Integral) and not isinstance(batch_size, bool)):
+            fail(
+                TypeError,
+                "batch_size",
+                batch_size,
+                "an int >= 1",
+                "Pass the rows per minibatch, e.g. batch_size=128.",
+            )
+        if not 1 <= batch_size <= rows:
+            fail(
+                ValueError,
+                "batch_size",
+                batch_size,
+                f"an int from 1 to the dataset's {rows} rows",
+                f"Pass at most {rows} (full batches only), e.g. batch_size={min(128, rows)}.",
+            )
+        if not isinstance(shuffle, bool):
+            fail(TypeError, "shuffle", shuffle, "True or False", "Pass shuffle=True or False.")
+        if not (isinstance(seed, numbers.Integral) and not isinstance(seed, bool)) or not (
+            0 <= seed < 2**64
+        ):
+            fail(
+                ValueError,
+                "seed",
+                seed,
+                "an int from 0 to 2**64 - 1",
+                "Pass a non-negative int, e.g. seed=0.",
+            )
+        self.arrays: tuple[Any, ...] = tuple(arrays)
+        self.rows: int = rows
+        self.batch_size: int = int(batch_size)
+        self.shuffle: bool = shuffle
+        self.seed: int = int(seed)
+        self.steps_per_epoch: int = rows // self.batch_size
+        self._placed: dict[Any, Any] = {}  # see `placed`
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The row order of epoch ``epoch`` (``0, 1, ...``), as an int64 NumPy array: the
+        identity without ``shuffle``. The loop of every backend uses exactly this order."""
+        if not (isinstance(epoch, numbers.Integral) and not isinstance(epoch, bool)) or epoch < 0:
+            fail(ValueError, "epoch", epoch, "an int >= 0", "Pass an epoch number, e.g. 0.")
+        if not self.shuffle:
+            return np.arange(self.rows, dtype=np.int64)
+        with np.errstate(over="ignore"):
+            keys = epoch_keys(
+                NUMPY_INTS, np.int64(epoch % 2**32), np.arange(self.rows, dtype=np.int64), self.seed
+            )
+        return np.argsort(keys, kind="stable").astype(np.int64)
+
+    def indices(self, step: int) -> np.ndarray:
+        """The rows of global step ``step``'s minibatch (int64, ``batch_size`` of them)."""
+        epoch, at = divmod(int(step), self.steps_per_epoch)
+        return self.order(epoch)[at * self.batch_size : (at + 1) * self.batch_size]
+
+    def batch(self, step: int) -> tuple[Any, ...]:
+        """Global step ``step``'s minibatch of every array, indexed on the host with NumPy
+        (to build a plain loop over the same minibatches)."""
+        idx = self.indices(step)
+        return tuple(np.asarray(a)[idx] for a in self.arrays)
+
+    def placed(self, key: Any, put: Callable[[Any], Any]) -> tuple[Any, ...]:
+        """The arrays as ``put`` places them, made once per ``key`` (a backend and its
+        device): the dataset goes to the device once, not at every call."""
+        if key not in self._placed:
+            self._placed[key] = tuple(put(a) for a in self.arrays)
+        return self._placed[key]
+
+    def __repr__(self) -> str:
+        return (
+            f"Epochs(rows={self.rows}, batch_size={self.batch_size}, shuffle={self.shuffle}, "
+            f"seed={self.seed}, steps_per_epoch={self.steps_per_epoch})"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One positional argument of a call, as the loop reads it.
+
+    Attributes:
+      kind: ``"fixed"`` (one array, the same every step), ``"batches"`` or ``"epochs"``.
+      width: how many arrays (and so arguments of ``loss_fn``) it holds.
+      batch_size, steps_per_epoch, shuffle, seed: an ``"epochs"`` slot's static facts.
+    """
+
+    kind: str
+    width: int = 1
+    batch_size: int = 0
+    steps_per_epoch: int = 0
+    shuffle: bool = False
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Feed:
+    """A call's arguments split into the layout a program is built for (`slots`, hashable:
+    part of what a compiled program is specialised to) and the arrays it is given
+    (`arrays`, flat, in argument order).
+
+    Attributes:
+      slots: one `Slot` per positional argument.
+      arrays: every array of every argument, flat.
+      batches: the number of minibatches of the shortest `Batches` (None without one).
+      sources: the call's arguments as given (the `Epochs` objects place their arrays
+        on a backend's device once, `Epochs.placed`).
+    """
+
+    slots: tuple[Slot, ...]
+    arrays: tuple[Any, ...]
+    batches: int | None = None
+    sources: tuple[Any, ...] = ()
+
+    @property
+    def streams(self) -> bool:
+        """Whether any argument changes from step to step."""
+        return any(s.kind != "fixed" for s in self.slots)
+
+    @property
+    def epochs(self) -> tuple[int, ...]:
+        """The positions in `slots` of the `Epochs` arguments."""
+        return tuple(k for k, s in enumerate(self.slots) if s.kind == "epochs")
+
+    def check_steps(self, n: int) -> None:
+        """A ValueError if a `Batches` holds fewer minibatches than the call's ``n`` steps."""
+        if self.batches is not None and self.batches < n:
+            raise ValueError(
+                f"`Batches` holds {self.batches} minibatches but the call runs {n} steps: "
+                f"its leading axis must be at least the call's steps. Pass steps={self.batches} "
+                f"to the call, or stack {n} minibatches."
+            )
+
+    def spans(self) -> list[tuple[Slot, tuple[Any, ...]]]:
+        """Each slot with its arrays."""
+        out, at = [], 0
+        for s in self.slots:
+            out.append((s, self.arrays[at : at + s.width]))
+            at += s.width
+        return out
+
+    def pick(
+        self,
+        arrays: Sequence[Any],
+        take: Callable[[Any], Any],
+        rows: Callable[[int], Any] | None = None,
+        gather: Callable[[Any, Any], Any] | None = None,
+    ) -> tuple[Any, ...]:
+        """The arguments of ``loss_fn`` at one step, from the program's ``arrays`` (this
+        feed's arrays as the program holds them), with the backend's functions:
+        ``take(a)`` is a `Batches` array's entry of the step; for `Epochs`, ``rows(k)`` the
+        rows of the step in the ``k``-th Epochs argument and ``gather(a, rows)`` ``a[rows]``."""
+        out: list[Any] = []
+        at, k = 0, 0
+        for s in self.slots:
+            group = arrays[at : at + s.width]
+            at += s.width
+            if s.kind == "fixed":
+                out.extend(group)
+            elif s.kind == "batches":
+                out.extend(take(a) for a in group)
+            else:
+                assert rows is not None and gather is not None
+                r = rows(k)
+                out.extend(gather(a, r) for a in group)
+                k += 1
+        return tuple(out)
+
+
+def feed_of(args: Sequence[Any]) -> Feed:
+    """The `Feed` of a call's positional arguments (streams and fixed arrays)."""
+    slots: list[Slot] = []
+    arrays: list[Any] = []
+    lengths: list[int] = []
+    for a in args:
+        if isinstance(a, Batches):
+            slots.append(Slot("batches", len(a.arrays)))
+            arrays.extend(a.arrays)
+            lengths.append(a.n)
+        elif isinstance(a, Epochs):
+            slots.append(
+                Slot("epochs", len(a.arrays), a.batch_size, a.steps_per_epoch, a.shuffle, a.seed)
+            )
+            arrays.extend(a.arrays)
+        else:
+            slots.append(Slot("fixed"))
+            arrays.append(a)
+    return Feed(tuple(slots), tuple(arrays), min(lengths) if lengths else None, tuple(args))

@@ -1,0 +1,263 @@
+"""Data streams for the TF2 fit: `stepfuse.Batches`, `stepfuse.Epochs` and ``tf.data``
+iterators as arguments of a call, a different minibatch at every step, picked on the device.
+
+The program receives the streams' arrays flat (an `Epochs` dataset placed on the device
+once, `Epochs.placed`) and each step picks its minibatch by a position the fit keeps in a
+variable, ``[i, t]``: the step's index within the call and the fit's global step, set
+from the host at the start of each call (``[0, fit.step]``) and advanced by every
+evaluated step. A refused (NaN/inf) step ends the call, so the next call starts at its
+minibatch again. An `Epochs` slot keeps its epoch's permutation in a variable, refreshed
+with ``tf.cond`` (`stepfuse._core.data.epoch_keys` and one ``argsort``, on the device)
+only when the epoch changes. A ``tf.data`` iterator is handed in as its resource and
+pulled once per step (``get_next_as_optional``); no XLA loop can hold one, so a fit that
+is given one runs its loop without XLA.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import tensorflow as tf
+
+from .._core import Trace, host_trace
+from .._core.data import Batches, Epochs, Feed, Slot, epoch_keys, feed_of
+from ._checks import _flat_batch
+
+__all__ = ["OutOfDataError", "Streams"]
+
+_TAG = "stepfuse.streams"
+
+
+class OutOfDataError(tf.errors.OutOfRangeError):
+    """A ``tf.data`` iterator ran out during a call (a `tf.errors.OutOfRangeError`).
+
+    The call stopped there: the updates before that step were applied (variables,
+    optimizer state and ``fit.step`` agree), the step that found no element was not.
+
+    Attributes:
+      step: the index within the call of the step that found no element (= the updates
+        the call applied).
+      trace: the `stepfuse.Trace` of the updates applied (stop ``STEPS``).
+    """
+
+    def __init__(self, step: int, global_step: int, trace: Trace) -> None:
+        super().__init__(
+            None,
+            None,
+            f"stepfuse.tf: the tf.data iterator ran out at step {step} of the call (global "
+            f"step {global_step}): the {step} update(s) before it were applied, that step was "
+            "not. Pass a longer dataset (e.g. dataset.repeat()), or steps= at most the "
+            "elements left.",
+        )
+        self.step, self.global_step, self.trace = step, global_step, trace
+
+
+class _IntOps:
+    """`stepfuse._core.data.IntOps` over int64 tensors."""
+
+    @staticmethod
+    def xor(a: Any, b: Any) -> Any:
+        return tf.bitwise.bitwise_xor(a, b)
+
+    @staticmethod
+    def band(a: Any, b: Any) -> Any:
+        return tf.bitwise.bitwise_and(a, b)
+
+    @staticmethod
+    def shr(a: Any, k: int) -> Any:
+        return tf.bitwise.right_shift(a, tf.constant(k, tf.int64))
+
+    @staticmethod
+    def shl(a: Any, k: int) -> Any:
+        return tf.bitwise.left_shift(a, tf.constant(k, tf.int64))
+
+    @staticmethod
+    def const(c: int) -> Any:
+        return tf.constant(c, tf.int64)
+
+
+_INTS = _IntOps()
+
+
+def _is_iterator(a: Any) -> bool:
+    return isinstance(a, tf.data.Iterator)
+
+
+def streaming(args: Any) -> bool:
+    """Whether a call's arguments hold a stream."""
+    return any(isinstance(a, (Batches, Epochs)) or _is_iterator(a) for a in args)
+
+
+def _tensor(a: Any) -> Any:
+    return tf.convert_to_tensor(a)
+
+
+class Streams:
+    """A fit's stream state: the position variable, the epochs' permutations, and the
+    layout of the streams the programs were traced for."""
+
+    def __init__(self) -> None:
+        self._pos: tf.Variable | None = None  # [index in the call, global step]
+        self._perms: dict[tuple[int, int], tuple[tf.Variable, tf.Variable]] = {}
+        self._feed: Feed | None = None
+        self._specs: tuple[Any, ...] = ()  # each iterator slot's element structure
+        self._exhausted: tf.Variable | None = None  # the call index an iterator ran out at
+        self.iterators = False
+
+    # -- the host side ------------------------------------------------------------------
+
+    def flatten(self, args: Any, n: int, step: int, fit: Any) -> tuple[Any, Any]:
+        """``(tensors, structure)`` for the program: `_flat_batch`'s for plain arguments;
+        for streams their arrays flat and a structure naming their layout. Checks before
+        anything runs; sets the position to ``[0, step]``."""
+        if not streaming(args):
+            return _flat_batch(args)
+        slots: list[Any] = []
+        flat: list[Any] = []
+        specs: list[Any] = []
+        for j, a in enumerate(args):
+            if _is_iterator(a):
+                spec = a.element_spec
+                parts = tf.nest.flatten(spec)
+                if not all(isinstance(p, tf.TensorSpec) for p in parts):
+                    raise TypeError(
+                        f"`batch[{j}]`, a tf.data iterator, must yield dense tensors (or tuples "
+                        f"of them); its element_spec is {spec}. Map the dataset to dense tensors."
+                    )
+                slots.append(("iterator", len(parts)))
+                specs.append(spec)
+                flat.extend(a._type_spec._to_components(a))
+                continue
+            feed = feed_of([a])
+            if isinstance(a, Batches):
+                feed.check_steps(n)
+                flat.extend(_tensor(x) for x in a.arrays)
+            elif isinstance(a, Epochs):
+                flat.extend(a.placed(("tf", "default"), _tensor))
+            else:
+                if tf.nest.is_nested(a):
+                    raise TypeError(
+                        f"`batch[{j}]`: beside a stream, fixed arguments must be single "
+                        f"tensors; got a nested {type(a).__name__}. Pass its tensors as "
+                        "separate arguments."
+                    )
+                flat.extend(_flat_batch((a,))[0])
+            slots.append(feed.slots[0])
+        for s, a in zip(slots, args):
+            if isinstance(s, Slot) and s.kind == "epochs" and s.shuffle:
+                self._perm_vars(a.rows, s.seed)
+        if any(not isinstance(s, Slot) for s in slots) and fit.jit_compile:
+            warnings.warn(
+                "stepfuse.tf: a tf.data iterator cannot be read inside an XLA-compiled loop, so "
+                "the fit runs its loop without XLA from now on (fit.jit_compile is now False). "
+                "Pass jit_compile=False to silence this, or stack the data (sf.Batches, "
+                "sf.Epochs) to keep XLA.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            fit.jit_compile = False
+            fit._build()
+        if self._pos is None:
+            self._pos = tf.Variable([0, 0], dtype=tf.int64, trainable=False)
+            self._exhausted = tf.Variable(-1, dtype=tf.int64, trainable=False)
+        self._pos.assign([0, step])
+        self.iterators = bool(specs)
+        if specs:
+            assert self._exhausted is not None
+            self._exhausted.assign(-1)
+        self._specs = tuple(specs)
+        return tuple(flat), (_TAG, tuple(slots), tuple(map(str, specs)))
+
+    def _perm_vars(self, rows: int, seed: int) -> tuple[tf.Variable, tf.Variable]:
+        """The permutation of a dataset of ``rows`` rows and its epoch (-1: none yet)."""
+        key = (rows, seed)
+        if key not in self._perms:
+            self._perms[key] = (
+                tf.Variable(tf.zeros([rows], tf.int64), trainable=False),
+                tf.Variable(-1, dtype=tf.int64, trainable=False),
+            )
+        return self._perms[key]
+
+    def check_exhausted(self, trace: Trace, start: int, record_every: int) -> None:
+        """An `OutOfDataError` if an iterator ran out in the call just run."""
+        if not self.iterators or self._exhausted is None:
+            return
+        at = int(self._exhausted.numpy())
+        if at < 0:
+            return
+        kept = -(-at // record_every)
+        applied = host_trace(trace.loss[:kept], at, 0, record_every)
+        raise OutOfDataError(at, start + at, applied)
+
+    # -- inside the program -------------------------------------------------------------
+
+    def unpack(self, structure: Any, flat: Any) -> tuple[Any, tuple[Any, ...]]:
+        """``(loss_fn's arguments at this step, extra)``: for streams, the step's
+        minibatches (and advances the position); ``extra`` is ``(has_value,)`` when an
+        iterator may have run out, else ``()``."""
+        if not (isinstance(structure, tuple) and structure[:1] == (_TAG,)):
+            return tf.nest.pack_sequence_as(structure, list(flat)), ()
+        assert self._pos is not None
+        pos = self._pos.read_value()
+        i, t = pos[0], pos[1]
+        out: list[Any] = []
+        has: list[Any] = []
+        at, k = 0, 0
+        for s in structure[1]:
+            if isinstance(s, Slot) and s.kind == "fixed":
+                out.append(flat[at])
+                at += 1
+            elif isinstance(s, Slot) and s.kind == "batches":
+                out.extend(tf.gather(a, i) for a in flat[at : at + s.width])
+                at += s.width
+            elif isinstance(s, Slot):
+                group = flat[at : at + s.width]
+                rows = self._rows(s, group[0], t)
+                out.extend(tf.gather(a, rows) for a in group)
+                at += s.width
+            else:
+                spec = self._specs[k]
+                k += 1
+                it = tf.data.IteratorSpec(spec)._from_components([flat[at]])
+                at += 1
+                opt = it.get_next_as_optional()
+                ok = opt.has_value()
+                empty = tf.nest.map_structure(  # (unknown dimensions: 0)
+                    lambda p: tf.zeros([d or 0 for d in p.shape.as_list()], p.dtype), spec
+                )
+                element = tf.cond(ok, opt.get_value, lambda: empty)
+                out.extend(tf.nest.flatten(element))
+                has.append(ok)
+        with tf.control_dependencies(out):
+            self._pos.assign_add(tf.constant([1, 1], tf.int64))
+        if not has:
+            return tuple(out), ()
+        ok = tf.reduce_all(tf.stack(has))
+        assert self._exhausted is not None
+        tf.cond(
+            ok,
+            tf.no_op,
+            lambda: tf.group(self._exhausted.assign(tf.cast(i, tf.int64))),
+        )
+        return tuple(out), (ok,)
+
+    def _rows(self, s: Slot, first: Any, t: Any) -> Any:
+        """The rows of global step ``t`` in an `Epochs` slot (its permutation refreshed
+        when the epoch changes)."""
+        bs, spe = s.batch_size, s.steps_per_epoch
+        epoch, at = t // spe, t % spe
+        start = at * bs
+        if not s.shuffle:
+            return start + tf.range(bs, dtype=tf.int64)  # (a static size, for XLA)
+        n = int(first.shape[0])
+        perm, current = self._perms[(n, s.seed)]
+
+        def refresh() -> Any:
+            keys = epoch_keys(_INTS, epoch % 2**32, tf.range(n, dtype=tf.int64), s.seed)
+            return tf.cast(tf.argsort(keys, stable=True), tf.int64)
+
+        # The branches only compute; the variables are written after the cond.
+        order = tf.cond(tf.equal(current, epoch), perm.read_value, refresh)
+        with tf.control_dependencies([perm.assign(order), current.assign(epoch)]):
+            return tf.slice(order, tf.reshape(start, [1]), [bs])

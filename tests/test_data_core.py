@@ -1,0 +1,197 @@
+"""The data streams' shared core (`stepfuse._core.data`): validation, the epochs' orders,
+stacking an iterable, and the split of a call's arguments. The backends' loops over
+streams are tested in tests/test_data_<backend>.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import stepfuse as sf
+from stepfuse._core.data import NUMPY_INTS, Feed, Slot, epoch_keys, feed_of
+
+
+def test_root_exports_the_streams():
+    assert sf.Batches is not None and sf.Epochs is not None
+    assert {"Batches", "Epochs"} <= set(sf.__all__)
+
+
+def test_order_is_a_permutation_that_changes_with_epoch_and_seed():
+    data = sf.Epochs(np.zeros((1000, 3)), batch_size=10, seed=3)
+    orders = [data.order(e) for e in range(4)]
+    for o in orders:
+        assert o.dtype == np.int64
+        assert np.array_equal(np.sort(o), np.arange(1000))
+    assert all(not np.array_equal(orders[0], o) for o in orders[1:])
+    other = sf.Epochs(np.zeros((1000, 3)), batch_size=10, seed=4)
+    assert not np.array_equal(other.order(0), orders[0])
+    # stateless: the same order whenever asked, by a new object too
+    again = sf.Epochs(np.ones((1000, 3)), batch_size=7, seed=3)
+    assert np.array_equal(again.order(2), orders[2])
+
+
+def test_order_looks_shuffled():
+    """Not a statistics test: rows keep no trace of their index (a broken mixer that
+    leaves the order near the identity, or reverses it, fails this)."""
+    o = sf.Epochs(np.zeros(4096), batch_size=1).order(0)
+    r = np.corrcoef(np.arange(4096), o)[0, 1]
+    assert abs(r) < 0.1, r
+    first_half = (o[:2048] < 2048).mean()
+    assert 0.4 < first_half < 0.6, first_half
+
+
+def test_keys_are_distinct_so_the_sort_is_unique():
+    keys = epoch_keys(NUMPY_INTS, np.int64(5), np.arange(100_000, dtype=np.int64), seed=2**63 + 1)
+    assert len(np.unique(keys)) == 100_000
+    assert keys.min() >= 0 and keys.max() < 2**32
+
+
+def test_no_shuffle_is_the_identity():
+    data = sf.Epochs(np.arange(10), batch_size=3, shuffle=False)
+    assert np.array_equal(data.order(7), np.arange(10))
+    assert data.steps_per_epoch == 3
+    assert np.array_equal(data.indices(4), [3, 4, 5])  # epoch 1, second batch
+
+
+def test_indices_and_batch_follow_the_documented_formula():
+    x, y = np.arange(20.0).reshape(10, 2), np.arange(10)
+    data = sf.Epochs(x, y, batch_size=4, seed=9)
+    assert data.steps_per_epoch == 2  # full batches only: 2 rows of each epoch are left out
+    for t in range(7):
+        e, at = divmod(t, 2)
+        rows = data.order(e)[at * 4 : at * 4 + 4]
+        assert np.array_equal(data.indices(t), rows)
+        bx, by = data.batch(t)
+        assert np.array_equal(bx, x[rows]) and np.array_equal(by, y[rows])
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, match",
+    [
+        ((), {"batch_size": 1}, "at least one array"),
+        ((np.zeros(5),), {"batch_size": 0}, "batch_size"),
+        ((np.zeros(5),), {"batch_size": -2}, "batch_size"),
+        ((np.zeros(5),), {"batch_size": 6}, "batch_size"),
+        ((np.zeros(5),), {"batch_size": 2.0}, "batch_size"),
+        ((np.zeros(5), np.zeros(4)), {"batch_size": 2}, "same leading length"),
+        (([1, 2, 3],), {"batch_size": 1}, r"Epochs\(\*arrays\)\[0\]"),
+        ((np.float32(3.0),), {"batch_size": 1}, "leading axis"),
+        ((np.zeros(5),), {"batch_size": 2, "seed": -1}, "seed"),
+        ((np.zeros(5),), {"batch_size": 2, "shuffle": 1}, "shuffle"),
+    ],
+)
+def test_epochs_refuses_bad_input(args, kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        sf.Epochs(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((), "at least one array"),
+        ((np.zeros((3, 2)), np.zeros((4, 2))), "same leading length"),
+        ((np.zeros((3, 2)), "text"), r"Batches\(\*arrays\)\[1\]"),
+        ((np.float64(1.0),), "leading axis"),
+    ],
+)
+def test_batches_refuses_bad_input(args, match):
+    with pytest.raises(ValueError, match=match):
+        sf.Batches(*args)
+
+
+def test_from_iterable_stacks_the_next_n():
+    items = [(np.full((2, 3), k), np.array([k, k])) for k in range(10)]
+    it = iter(items)
+    b = sf.Batches.from_iterable(it, 4)
+    assert b.n == 4 and b.arrays[0].shape == (4, 2, 3) and b.arrays[1].shape == (4, 2)
+    assert np.array_equal(b.arrays[1][:, 0], [0, 1, 2, 3])
+    nxt = sf.Batches.from_iterable(it, 4)  # the next four, from the same iterator
+    assert np.array_equal(nxt.arrays[1][:, 0], [4, 5, 6, 7])
+    single = sf.Batches.from_iterable((np.ones(3) * k for k in range(3)), 3)
+    assert len(single.arrays) == 1 and single.arrays[0].shape == (3, 3)
+
+
+def test_from_iterable_refuses_short_ragged_and_partial():
+    with pytest.raises(ValueError, match="ran out after 2 batches"):
+        sf.Batches.from_iterable([np.ones(2), np.ones(2)], 3)
+    with pytest.raises(ValueError, match="shape"):
+        sf.Batches.from_iterable([np.ones(2), np.ones(3)], 2)  # a last partial batch
+    with pytest.raises(ValueError, match="parts"):
+        sf.Batches.from_iterable([(np.ones(2), np.ones(2)), (np.ones(2),)], 2)
+    with pytest.raises(ValueError, match="`n`"):
+        sf.Batches.from_iterable([np.ones(2)], 0)
+    with pytest.raises(TypeError, match="iterable"):
+        sf.Batches.from_iterable(5, 1)
+
+
+def test_feed_splits_streams_and_fixed_arguments():
+    xs, ys, w = np.zeros((6, 2, 3)), np.zeros((6, 2)), np.ones(3)
+    data = sf.Epochs(np.zeros((10, 3)), np.zeros(10), batch_size=5, seed=1)
+    feed = feed_of((sf.Batches(xs, ys), w, data))
+    assert feed.slots == (
+        Slot("batches", 2),
+        Slot("fixed"),
+        Slot("epochs", 2, 5, 2, True, 1),
+    )
+    assert len(feed.arrays) == 5 and feed.streams and feed.epochs == (2,)
+    assert feed.batches == 6
+    hash(feed.slots)  # a compiled program is specialised to it
+    feed.check_steps(6)
+    with pytest.raises(ValueError, match="holds 6 minibatches but the call runs 7"):
+        feed.check_steps(7)
+    picked = feed.pick(
+        feed.arrays,
+        take=lambda a: ("take", a.shape),
+        rows=lambda k: ("rows", k),
+        gather=lambda a, r: ("gather", a.shape, r),
+    )
+    assert picked == (
+        ("take", (6, 2, 3)),
+        ("take", (6, 2)),
+        w,
+        ("gather", (10, 3), ("rows", 0)),
+        ("gather", (10,), ("rows", 0)),
+    )
+    plain = feed_of((xs, w))
+    assert not plain.streams and plain.batches is None
+    plain.check_steps(10**6)
+    assert isinstance(plain, Feed)
+
+
+def test_placed_puts_each_array_once_per_key():
+    data = sf.Epochs(np.zeros(4), np.ones(4), batch_size=2)
+    calls = []
+
+    def put(a):
+        calls.append(a)
+        return a + 1
+
+    first = data.placed(("cpu",), put)
+    again = data.placed(("cpu",), put)
+    assert first is again and len(calls) == 2
+    data.placed(("other",), put)
+    assert len(calls) == 4
+
+
+def test_the_guides_example_runs():
+    """The Python block of docs/guides/data.md, as written."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "guides" / "data.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) == 1
+    exec(compile(blocks[0], "docs/guides/data.md", "exec"), {})
+
+
+def test_jax_refuses_streams_by_name_for_now():
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import optax
+
+    import stepfuse.jax as sfj
+
+    fit = sfj.fuse(lambda p, x: jnp.sum(p * x), optax.sgd(0.1), steps=2)
+    state = fit.init(jnp.ones(2))
+    with pytest.raises(TypeError, match=r"`batch\[0\]` is a stepfuse.Batches"):
+        fit(state, sf.Batches(np.ones((2, 2))))

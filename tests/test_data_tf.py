@@ -1,0 +1,291 @@
+"""Data streams on the TensorFlow backends (`stepfuse.tf._data`, `stepfuse.tf._v1_data`):
+`Batches`, `Epochs` (across epoch boundaries) and a ``tf.data`` iterator: fused == stepwise
+== the plain Keras loop (GradientTape + ``apply_gradients`` per step) over the same
+minibatches; resume; a refused step mid-call; tol / record_every / callback with streams;
+a fixed argument beside a stream; bad input refused with nothing changed; an iterator
+running out; the TF1 stacked feed against its plain loop; the guide's examples as written.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import stepfuse as sf
+import stepfuse.tf as sft
+import stepfuse.tf.v1 as sf1
+from stepfuse import Stop
+
+tf1 = tf.compat.v1
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "guides" / "data_tf.md"
+RTOL = 1e-6
+
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(44, 3)).astype("float32")  # 44 rows, batch 8: 5 steps per epoch
+Y = RNG.normal(size=(44,)).astype("float32")
+XS = RNG.normal(size=(12, 8, 3)).astype("float32")
+YS = RNG.normal(size=(12, 8)).astype("float32")
+
+
+def _model() -> Any:
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(4, "tanh"), keras.layers.Dense(1)]
+    )
+
+
+def _loss_of(model: Any) -> Any:
+    def loss_fn(xb: Any, yb: Any) -> Any:
+        return tf.reduce_mean((model(xb)[:, 0] - yb) ** 2)
+
+    return loss_fn
+
+
+def make(**options: Any) -> tuple[Any, Any]:
+    model = _model()
+    options.setdefault("steps", 12)
+    fit = sft.fuse(_loss_of(model), keras.optimizers.Adam(1e-2), model, **options)
+    return fit, model
+
+
+_OPTS: dict[int, Any] = {}  # each plain model's optimizer, to continue a plain loop
+
+
+def plain(batches: list[tuple[Any, ...]], model: Any = None) -> tuple[np.ndarray, Any]:
+    """The plain Keras loop over ``batches`` (continuing ``model``'s): (losses, model)."""
+    model = model or _model()
+    opt = _OPTS.setdefault(id(model), keras.optimizers.Adam(1e-2))
+    loss_fn, losses = _loss_of(model), []
+    for b in batches:
+        with tf.GradientTape() as tape:
+            loss = loss_fn(*b)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        losses.append(float(loss))
+    return np.asarray(losses, np.float32), model
+
+
+def close(a: Any, b: Any) -> None:
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=1e-7)
+
+
+def same_weights(m1: Any, m2: Any) -> None:
+    for a, b in zip(m1.get_weights(), m2.get_weights()):
+        close(a, b)
+
+
+def epoch_batches(data: sf.Epochs, start: int, n: int) -> list[tuple[Any, ...]]:
+    """Global steps ``start .. start + n - 1``'s minibatches, from ``data.order(epoch)``."""
+    out = []
+    for t in range(start, start + n):
+        epoch, at = divmod(t, data.steps_per_epoch)
+        rows = data.order(epoch)[at * data.batch_size : (at + 1) * data.batch_size]
+        out.append((data.arrays[0][rows], data.arrays[1][rows]))
+    return out
+
+
+def test_guide_examples_run() -> None:
+    blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), flags=re.S)
+    assert len(blocks) == 2
+    for block in blocks:
+        exec(compile(block, str(GUIDE), "exec"), {})
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_epochs_across_boundaries_fused_equals_stepwise_and_plain(shuffle: bool) -> None:
+    data = sf.Epochs(X, Y, batch_size=8, shuffle=shuffle, seed=7)
+    fused, fm = make()
+    step, sm = make(mode="stepwise")
+    losses = [fused(data).loss, fused(data, steps=5).loss]  # 17 steps: into epoch 3
+    assert fused.compiles == 1 and fused.step == 17
+    slosses = [step(data).loss, step(data, steps=5).loss]
+    ref, rm = plain(epoch_batches(data, 0, 17))
+    close(np.concatenate(losses), ref)
+    close(np.concatenate(slosses), ref)
+    same_weights(fm, rm)
+    same_weights(sm, rm)
+    # the host's minibatch of a step is the one the device used
+    close(data.batch(13)[0], epoch_batches(data, 13, 1)[0][0])
+
+
+def test_epochs_resume_k_then_rest_equals_one_call() -> None:
+    data = sf.Epochs(X, Y, batch_size=8, seed=3)
+    one, m1 = make(steps=13)
+    two, m2 = make(steps=13)
+    a = one(data).loss
+    b = np.concatenate([two(data, steps=4).loss, two(data, steps=9).loss])
+    close(a, b)
+    same_weights(m1, m2)
+    assert two.compiles == 1
+
+
+def test_batches_over_calls_fused_equals_stepwise_and_plain() -> None:
+    fused, fm = make(steps=6)
+    step, sm = make(steps=6, mode="stepwise")
+    first, second = sf.Batches(XS[:6], YS[:6]), sf.Batches(XS[6:], YS[6:])
+    losses = np.concatenate([fused(first).loss, fused(second, steps=4).loss])
+    slosses = np.concatenate([step(first).loss, step(second, steps=4).loss])
+    ref, rm = plain([(XS[i], YS[i]) for i in [*range(6), 6, 7, 8, 9]])
+    close(losses, ref)
+    close(slosses, ref)
+    same_weights(fm, rm)
+    same_weights(sm, rm)
+    assert fused.compiles == 1
+
+
+def test_a_fixed_argument_beside_batches() -> None:
+    fused, fm = make(steps=5)
+    losses = fused(sf.Batches(XS), YS[0], steps=5).loss
+    ref, rm = plain([(XS[i], YS[0]) for i in range(5)])
+    close(losses, ref)
+    same_weights(fm, rm)
+
+
+def test_iterator_fused_equals_stepwise_and_plain_and_runs_without_xla() -> None:
+    ds = tf.data.Dataset.from_tensor_slices((X[:40], Y[:40])).batch(8)
+    fused, fm = make(steps=4)
+    with pytest.warns(RuntimeWarning, match="tf.data iterator"):
+        losses = fused(iter(ds.repeat())).loss
+    assert not fused.jit_compile
+    step, sm = make(steps=4, mode="stepwise", jit_compile=False)
+    slosses = step(iter(ds.repeat())).loss
+    ref, rm = plain([(X[i : i + 8], Y[i : i + 8]) for i in range(0, 32, 8)])
+    close(losses, ref)
+    close(slosses, ref)
+    same_weights(fm, rm)
+    same_weights(sm, rm)
+
+
+@pytest.mark.parametrize("mode", ["fused", "stepwise"])
+def test_iterator_running_out_mid_call_keeps_the_steps_before(mode: str) -> None:
+    ds = tf.data.Dataset.from_tensor_slices((X[:24], Y[:24])).batch(8)  # 3 elements
+    fit, m = make(steps=5, mode=mode, jit_compile=False)
+    with pytest.raises(sft.OutOfDataError, match="ran out at step 3") as e:
+        fit(iter(ds))
+    assert isinstance(e.value, tf.errors.OutOfRangeError)
+    assert e.value.step == 3 and fit.step == 3
+    assert e.value.trace.steps == 3 and e.value.trace.stop == Stop.STEPS
+    ref, rm = plain([(X[i : i + 8], Y[i : i + 8]) for i in range(0, 24, 8)])
+    close(e.value.trace.loss, ref)
+    same_weights(m, rm)
+    fit(iter(ds), steps=2)  # a fresh iterator runs on
+    assert fit.step == 5
+
+
+def test_nonfinite_minibatch_mid_call_then_the_next_call_starts_there() -> None:
+    data = sf.Epochs(X, Y, batch_size=8, seed=1)
+    row = int(data.order(0)[-1])  # left out of epoch 0 (44 rows, 40 used): first in epoch 1
+    t_bad = next(t for t in range(5, 10) if row in data.indices(t))
+    bad_x = X.copy()
+    bad_x[row] = np.nan
+    bad = sf.Epochs(bad_x, Y, batch_size=8, seed=1)
+    fit, m = make(steps=10)
+    trace = fit(bad)
+    assert trace.stop == Stop.NONFINITE and trace.steps == t_bad and fit.step == t_bad
+    ref, rm = plain(epoch_batches(data, 0, t_bad))
+    same_weights(m, rm)  # the refused update left nothing behind
+    close(trace.loss[:t_bad], ref)
+    rest = fit(data, steps=3).loss  # continues at the refused step's minibatch
+    ref2, rm = plain(epoch_batches(data, t_bad, 3), rm)
+    close(rest, ref2)
+    same_weights(m, rm)
+    assert fit.compiles == 1
+
+
+def test_nonfinite_batches_then_the_next_call() -> None:
+    xs = XS.copy()
+    xs[2, 0, 0] = np.inf
+    fit, m = make(steps=5, on_nonfinite="raise")
+    with pytest.raises(sf.NonFiniteError):
+        fit(sf.Batches(xs, YS))
+    assert fit.step == 2
+    ref, rm = plain([(XS[i], YS[i]) for i in range(2)])
+    same_weights(m, rm)
+
+
+def test_tol_record_every_and_callback_with_streams() -> None:
+    data = sf.Epochs(X, Y, batch_size=8, seed=2)
+    seen: dict[str, list] = {"fused": [], "stepwise": []}
+    traces = {}
+    for mode in seen:
+        fit, _ = make(
+            steps=20,
+            mode=mode,
+            tol=1e-9,
+            record_every=3,
+            every=4,
+            callback=lambda s, loss, mode=mode: seen[mode].append((s, loss)),
+        )
+        traces[mode] = fit(data)
+    f, s = traces["fused"], traces["stepwise"]
+    assert f.steps == s.steps and f.stop == s.stop
+    close(f.loss, s.loss)
+    assert (
+        [k for k, _ in seen["fused"]]
+        == [k for k, _ in seen["stepwise"]]
+        == [4 * j for j in range(1, f.steps // 4 + 1)]
+    )
+    close([v for _, v in seen["fused"]], [v for _, v in seen["stepwise"]])
+    ref, _ = plain(epoch_batches(data, 0, f.steps))
+    close(f.loss, ref[::3])
+
+
+def test_bad_input_raises_before_anything_runs() -> None:
+    fit, m = make(steps=6)
+    before = [w.copy() for w in m.get_weights()]
+    with pytest.raises(ValueError, match="`Batches` holds 4 minibatches but the call runs 6"):
+        fit(sf.Batches(XS[:4], YS[:4]))
+    with pytest.raises(TypeError, match=r"`batch\[1\]`"):
+        fit(sf.Batches(XS), {"y": YS[0]})
+    with pytest.raises(ValueError, match="batch_size"):
+        fit(sf.Epochs(X, Y, batch_size=100))
+    assert fit.step == 0 and fit.compiles == 0
+    for a, b in zip(before, m.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["fused", "stepwise"])
+def test_tf1_stacked_feed_equals_its_plain_loop(mode: str) -> None:
+    def build(data: Any) -> tuple[Any, ...]:
+        xp = tf1.placeholder(tf.float32, (None, 8, 3))
+        yp = tf1.placeholder(tf.float32, (None, 8))
+        w = tf1.get_variable("w", initializer=tf.ones((3,)))
+
+        def loss_fn(x: Any, y: Any) -> Any:
+            return tf.reduce_mean((tf.linalg.matvec(x, w) - y) ** 2)
+
+        return xp, yp, w, loss_fn
+
+    with tf.Graph().as_default():
+        xp, yp, w, loss_fn = build(None)
+        fused = sf1.fuse(loss_fn, tf1.train.AdamOptimizer(0.01), steps=6, data=(xp, yp), mode=mode)
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            losses = np.concatenate(
+                [
+                    fused.run(sess, {xp: XS[:6], yp: YS[:6]}).loss,
+                    fused.run(sess, {xp: XS[6:], yp: YS[6:]}, steps=3).loss,
+                ]
+            )
+            with pytest.raises(ValueError, match="holds 2 stacked minibatches"):
+                fused.run(sess, {xp: XS[:2], yp: YS[:2]}, steps=3)
+            got = sess.run(w)
+            assert fused.step == 9
+    with tf.Graph().as_default():
+        x1 = tf1.placeholder(tf.float32, (8, 3))
+        y1 = tf1.placeholder(tf.float32, (8,))
+        w = tf1.get_variable("w", initializer=tf.ones((3,)))
+        loss = tf.reduce_mean((tf.linalg.matvec(x1, w) - y1) ** 2)
+        train = tf1.train.AdamOptimizer(0.01).minimize(loss)
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            ref = [sess.run([loss, train], {x1: XS[i], y1: YS[i]})[0] for i in [*range(6), 6, 7, 8]]
+            want = sess.run(w)
+    close(losses, ref)
+    close(got, want)
