@@ -38,6 +38,7 @@ __all__ = [
     "Batches",
     "Epochs",
     "Feed",
+    "FunctionInts",
     "IntOps",
     "NUMPY_INTS",
     "Slot",
@@ -64,29 +65,20 @@ class IntOps(Protocol):
         ...
 
 
-class _NumpyInts:
-    @staticmethod
-    def xor(a: Any, b: Any) -> Any:
-        return np.bitwise_xor(a, b)
+@dataclasses.dataclass(frozen=True)
+class FunctionInts:
+    """An `IntOps` made of a framework's functions (each backend builds one, with its own)."""
 
-    @staticmethod
-    def band(a: Any, b: Any) -> Any:
-        return np.bitwise_and(a, b)
-
-    @staticmethod
-    def shr(a: Any, k: int) -> Any:
-        return np.right_shift(a, k)
-
-    @staticmethod
-    def shl(a: Any, k: int) -> Any:
-        return np.left_shift(a, k)
-
-    @staticmethod
-    def const(c: int) -> Any:
-        return np.int64(c)
+    xor: Callable[[Any, Any], Any]
+    band: Callable[[Any, Any], Any]
+    shr: Callable[[Any, int], Any]
+    shl: Callable[[Any, int], Any]
+    const: Callable[[int], Any]
 
 
-NUMPY_INTS: IntOps = _NumpyInts()
+NUMPY_INTS: IntOps = FunctionInts(
+    np.bitwise_xor, np.bitwise_and, np.right_shift, np.left_shift, np.int64
+)
 """`IntOps` over NumPy ``int64`` arrays (the host's `Epochs.order`)."""
 
 
@@ -394,14 +386,11 @@ class Feed:
       slots: one `Slot` per positional argument.
       arrays: every array of every argument, flat.
       batches: the number of minibatches of the shortest `Batches` (None without one).
-      sources: the call's arguments as given (the `Epochs` objects place their arrays
-        on a backend's device once, `Epochs.placed`).
     """
 
     slots: tuple[Slot, ...]
     arrays: tuple[Any, ...]
     batches: int | None = None
-    sources: tuple[Any, ...] = ()
 
     @property
     def streams(self) -> bool:
@@ -476,4 +465,4 @@ def feed_of(args: Sequence[Any]) -> Feed:
         else:
             slots.append(Slot("fixed"))
             arrays.append(a)
-    return Feed(tuple(slots), tuple(arrays), min(lengths) if lengths else None, tuple(args))
+    return Feed(tuple(slots), tuple(arrays), min(lengths) if lengths else None)

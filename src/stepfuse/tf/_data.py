@@ -21,7 +21,7 @@ from typing import Any
 import tensorflow as tf
 
 from .._core import Trace, host_trace
-from .._core.data import Batches, Epochs, Feed, Slot, epoch_keys, feed_of
+from .._core.data import Batches, Epochs, Feed, FunctionInts, Slot, epoch_keys, feed_of
 from ._checks import _flat_batch
 
 __all__ = ["OutOfDataError", "Streams"]
@@ -53,31 +53,14 @@ class OutOfDataError(tf.errors.OutOfRangeError):
         self.step, self.global_step, self.trace = step, global_step, trace
 
 
-class _IntOps:
-    """`stepfuse._core.data.IntOps` over int64 tensors."""
-
-    @staticmethod
-    def xor(a: Any, b: Any) -> Any:
-        return tf.bitwise.bitwise_xor(a, b)
-
-    @staticmethod
-    def band(a: Any, b: Any) -> Any:
-        return tf.bitwise.bitwise_and(a, b)
-
-    @staticmethod
-    def shr(a: Any, k: int) -> Any:
-        return tf.bitwise.right_shift(a, tf.constant(k, tf.int64))
-
-    @staticmethod
-    def shl(a: Any, k: int) -> Any:
-        return tf.bitwise.left_shift(a, tf.constant(k, tf.int64))
-
-    @staticmethod
-    def const(c: int) -> Any:
-        return tf.constant(c, tf.int64)
-
-
-_INTS = _IntOps()
+# `stepfuse._core.data.IntOps` over int64 tensors.
+_INTS = FunctionInts(
+    tf.bitwise.bitwise_xor,
+    tf.bitwise.bitwise_and,
+    lambda a, k: tf.bitwise.right_shift(a, tf.constant(k, tf.int64)),
+    lambda a, k: tf.bitwise.left_shift(a, tf.constant(k, tf.int64)),
+    lambda c: tf.constant(c, tf.int64),
+)
 
 
 def _is_iterator(a: Any) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from .._core import fail
-from .._core.data import Epochs, Feed, IntOps, Slot, epoch_keys, feed_of
+from .._core.data import Epochs, Feed, FunctionInts, IntOps, Slot, epoch_keys, feed_of
 from ._program import batch_key
 
 __all__ = ["Fed", "TORCH_INTS", "epoch_order"]
@@ -38,31 +39,10 @@ __all__ = ["Fed", "TORCH_INTS", "epoch_order"]
 _NO_EPOCH = 2**62  # `Fed.room` without a shuffled Epochs: no boundary to stop at
 
 
-class _TorchInts:
-    """`IntOps` over int64 torch tensors (constants are Python ints, which mix)."""
-
-    @staticmethod
-    def xor(a: Any, b: Any) -> Any:
-        return a ^ b
-
-    @staticmethod
-    def band(a: Any, b: Any) -> Any:
-        return a & b
-
-    @staticmethod
-    def shr(a: Any, k: int) -> Any:
-        return a >> k
-
-    @staticmethod
-    def shl(a: Any, k: int) -> Any:
-        return a << k
-
-    @staticmethod
-    def const(c: int) -> Any:
-        return int(c)
-
-
-TORCH_INTS: IntOps = _TorchInts()
+# Constants are Python ints, which mix with int64 tensors.
+TORCH_INTS: IntOps = FunctionInts(
+    operator.xor, operator.and_, operator.rshift, operator.lshift, int
+)
 """`IntOps` over int64 torch tensors, run eagerly (`epoch_order`)."""
 
 
