@@ -61,9 +61,32 @@ def test_demo_with_the_stale_gradient_fails_its_check(tmp_path):
     assert json.loads(out.read_text())["check_passed"] is False
 
 
+# The torch demo compiles three programs (the 1-step, N-step and timed fits): --runslow.
+@pytest.mark.parametrize(
+    "backend",
+    [pytest.param(b, marks=pytest.mark.slow) if b == "torch" else b for b in available_backends()],
+)
+def test_demo_with_minibatches_passes_its_check_and_the_stale_gradient_fails_it(backend):
+    """``--batch-size``: every step takes its own minibatch (a shuffled Epochs), and the
+    N-step calls still equal the one-step calls; the stale-gradient aid still fails."""
+    from stepfuse.demo import run_seed
+
+    full = run_seed(backend, 3, 4, timing_steps=20)
+    r = run_seed(backend, 3, 4, timing_steps=20, batch_size=10)
+    assert r.check_passed, (r.max_abs_diff, r.one_step, r.n_step)
+    assert r.batch_size == 10 and len(r.one_step) == 12
+    # (the first loss is ln 2 on any data: the kernel of ones gives both classes one logit)
+    assert r.one_step[1] != pytest.approx(full.one_step[1], abs=1e-4)
+    assert not run_seed(
+        backend, 3, 4, timing_steps=20, batch_size=10, stale_gradient=True
+    ).check_passed
+
+
 @pytest.mark.parametrize(
     "argv, needle",
     [
+        (["demo", "--batch-size", "0"], "--batch-size"),
+        (["demo", "--batch-size", "51"], "--batch-size 51"),
         (["demo", "--steps", "0"], "--steps"),
         (["demo", "--steps", "x"], "--steps"),
         (["demo", "--backend", "mxnet"], "unknown backend"),
@@ -162,6 +185,30 @@ def test_bench_model_rows_report_each_fits_mode(backend, sizes, tmp_path):
     assert "mode" in proc.stdout  # the table's column
     if backend == "tf":  # no random ops in the cnn: the XLA fit stays XLA-compiled
         assert [r["mode"] for r in results][:2] == ["fused", "fused, no XLA"]
+
+
+# The torch rows compile a fit (--runslow); the JAX and TF rows take seconds.
+@pytest.mark.parametrize("backend", ["jax", "tf", pytest.param("torch", marks=pytest.mark.slow)])
+def test_bench_data_rows_have_every_contender_and_the_fused_mode(backend, tmp_path):
+    """``--sizes data-small``: the Epochs fit against its framework's minibatch loops,
+    side by side; the stepfuse row says the fit ran fused."""
+    from stepfuse.bench import data
+
+    if backend not in available_backends():
+        pytest.skip(f"{backend} is not installed")
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "stepfuse.bench", "--backend", backend, "--sizes", "data-small"]
+        + ["--steps", "256", "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    assert [r["contender"] for r in results] == list(data.CONTENDERS[backend])
+    assert all(r["problem"] == "data-small" and r["us_per_step"] > 0 for r in results)
+    assert results[0]["mode"].split(",")[0] == "fused", results[0]
 
 
 def test_matplotlib_missing_is_a_usage_error_before_the_run(monkeypatch, capsys):

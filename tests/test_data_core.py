@@ -184,7 +184,8 @@ def test_the_guides_example_runs():
     exec(compile(blocks[0], "docs/guides/data.md", "exec"), {})
 
 
-def test_jax_refuses_streams_by_name_for_now():
+def test_jax_runs_streams():
+    """The JAX backend takes both streams (tested in depth in tests/test_data_jax.py)."""
     pytest.importorskip("jax")
     import jax.numpy as jnp
     import optax
@@ -192,6 +193,9 @@ def test_jax_refuses_streams_by_name_for_now():
     import stepfuse.jax as sfj
 
     fit = sfj.fuse(lambda p, x: jnp.sum(p * x), optax.sgd(0.1), steps=2)
-    state = fit.init(jnp.ones(2))
-    with pytest.raises(TypeError, match=r"`batch\[0\]` is a stepfuse.Batches"):
-        fit(state, sf.Batches(np.ones((2, 2))))
+    state, trace = fit(fit.init(jnp.ones(2)), sf.Batches(np.array([[1.0, 0.0], [0.0, 2.0]])))
+    np.testing.assert_allclose(trace.loss, [1.0, 2.0], rtol=1e-6)  # x0 . p, x1 . p
+    np.testing.assert_allclose(state.params, [0.9, 0.8], rtol=1e-6)
+    data = sf.Epochs(np.eye(2, dtype=np.float32), batch_size=1, seed=0)
+    state, trace = fit(state, data)
+    assert fit.mode == "fused" and int(state.step) == 4 and trace.steps == 2

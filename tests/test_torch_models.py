@@ -116,7 +116,7 @@ class Recurrent(nn.Module):
 def lstm():
     torch.manual_seed(2)
     model = Recurrent(nn.LSTM, 1)
-    x, y = torch.randn(4, 5, 4), torch.randint(0, 2, (4,))
+    x, y = torch.randn(4, 3, 4), torch.randint(0, 2, (4,))  # 3 time steps: compile time
     opt = torch.optim.Adam(model.parameters(), lr=0.02)
     return model, opt, lambda x, y: F.cross_entropy(model(x), y), (x, y)
 
@@ -124,7 +124,7 @@ def lstm():
 def gru():
     torch.manual_seed(3)
     model = Recurrent(nn.GRU, 2)
-    x, y = torch.randn(4, 5, 4), torch.randint(0, 2, (4,))
+    x, y = torch.randn(4, 3, 4), torch.randint(0, 2, (4,))  # 3 time steps: compile time
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return model, opt, lambda x, y: F.cross_entropy(model(x), y), (x, y)
 

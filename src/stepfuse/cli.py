@@ -133,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=2000,
         help="steps of the fused call that is timed (2000)",
     )
+    demo.add_argument(
+        "--batch-size",
+        type=_positive_int("--batch-size"),
+        help="a minibatch of this many of the 50 points at every step, reshuffled each epoch "
+        "(stepfuse.Epochs); default: all of them",
+    )
     demo.add_argument("--plot", help="write a PNG of both loss curves")
     demo.add_argument("--json", help="write the numbers as JSON")
     demo.add_argument(
@@ -148,8 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--sizes",
         nargs="+",
-        choices=("seed", "mlp", "wide", "cnn", "lstm"),
-        help="problem sizes (real models: cnn for torch and tf, lstm for torch)",
+        choices=("seed", "mlp", "wide", "cnn", "lstm", "data-small", "data-mnist"),
+        help="problem sizes (real models: cnn for torch and tf, lstm for torch; data "
+        "streams: data-small and data-mnist for jax, tf and torch)",
     )
     bench.add_argument("--steps", nargs="+", type=_positive_int("--steps"), help="values of N")
     bench.add_argument(
@@ -167,7 +174,10 @@ def _print_demo(r: SeedResult) -> None:
     from rich.table import Table
 
     console = Console()
-    table = Table(title=f"seed perceptron, {r.backend}: loss before each call (SGD lr={r.lr})")
+    data = "" if r.batch_size is None else f", minibatches of {r.batch_size} (stepfuse.Epochs)"
+    table = Table(
+        title=f"seed perceptron, {r.backend}: loss before each call (SGD lr={r.lr}{data})"
+    )
     table.add_column("step", justify="right")
     table.add_column("1 step per call", justify="right")
     table.add_column(f"{r.steps} steps per call", justify="right")
@@ -221,6 +231,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     backend = _backend(args.backend)
     _outputs(args.plot, args.json)
+    if args.batch_size is not None and args.batch_size > 50:
+        raise UsageError(f"--batch-size {args.batch_size}: the seed has 50 points; give 1..50")
     r = run_seed(
         backend,
         args.steps,
@@ -228,6 +240,7 @@ def _demo(args: argparse.Namespace) -> int:
         args.lr,
         stale_gradient=args.stale_gradient,
         timing_steps=args.timing_steps,
+        batch_size=args.batch_size,
     )
     _print_demo(r)
     if args.plot is not None:

@@ -9,6 +9,7 @@ import argparse
 import importlib
 import os
 
+from . import data
 from ._timing import measure, print_table, write_json
 from .problems import MAX_STEPS, SIZES
 
@@ -33,14 +34,20 @@ def main(argv=None):
     results = []
     # The MLP sizes run on every backend; a model size (problems.MODEL_SIZES) on the
     # backends whose module lists it in MODEL_SIZES.
+    # The data-stream rows (`stepfuse.bench.data`) on the backends it has contenders for.
     supported = (*SIZES, *getattr(module, "MODEL_SIZES", ()))
+    if args.backend in data.CONTENDERS:
+        supported += data.DATA_SIZES
     for size in args.sizes:
         if size not in supported:
             continue
         for n in args.steps:
             if n > MAX_STEPS[size]:
                 continue
-            builders, steps_for = module.contenders(size, n)
+            if size in data.DATA_SIZES:
+                builders, steps_for = data.contenders(args.backend, size, n)
+            else:
+                builders, steps_for = module.contenders(size, n)
             rows = measure(
                 builders,
                 n,

@@ -28,7 +28,16 @@ SIZES = ("seed", "mlp", "wide", "deep")
 MODEL_SIZES = ("cnn", "lstm")
 
 # Steps above which a size is too slow on a small CPU to be worth timing in full.
-MAX_STEPS = {"seed": 10_000, "mlp": 10_000, "wide": 10, "deep": 10_000, "cnn": 1000, "lstm": 1000}
+MAX_STEPS = {
+    "seed": 10_000,
+    "mlp": 10_000,
+    "wide": 10,
+    "deep": 10_000,
+    "cnn": 1000,
+    "lstm": 1000,
+    "data-small": 10_000,  # the data streams' rows (`stepfuse.bench.data`)
+    "data-mnist": 2048,
+}
 
 MODEL_CLASSES = 4
 MODEL_BATCH = 32

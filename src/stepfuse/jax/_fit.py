@@ -28,8 +28,7 @@ from .._core import (
     paced_every,
     run_stepwise,
 )
-from .._core.data import Batches, Epochs
-from . import _host, _program
+from . import _data, _host, _program
 from ._checks import (
     Loss,
     check_lookahead,
@@ -145,13 +144,7 @@ class Fit:
                 "Make one with fit.init(params) and pass the state each call returns."
             )
         n = check_call_steps(steps, self.opts, capped=True)  # both modes: one contract
-        for j, b in enumerate(batch):
-            if isinstance(b, (Batches, Epochs)):
-                raise TypeError(
-                    f"`batch[{j}]` is a stepfuse.{type(b).__name__}: data streams do not run on "
-                    "the JAX backend yet (they do on stepfuse.tf and stepfuse.torch). Stack the "
-                    "minibatches yourself and index them in loss_fn, or pass a fixed batch."
-                )
+        batch = _data.prepare(batch, n)  # data streams checked, a dataset on the device
         if self.opts.mode == "stepwise":
             if inside_a_trace():
                 raise TypeError(
@@ -242,7 +235,7 @@ class Fit:
             self.loss_fn,
             self.has_aux,
             loss_params(state.params),
-            batch,
+            _data.Streams(batch).sample(batch),  # one step's arguments
             self.has_state,
             state.model_state,
         )
@@ -413,19 +406,23 @@ class Fit:
             "opt": state.opt_state,
             "model": state.model_state,
             "aux": None,
+            "i": 0,  # the call's step: which minibatch of a data stream the next one takes
         }
+        start = int(state.step)
+        orders: dict[Any, np.ndarray] = {}  # the epochs' orders the call has used
 
         def propose_step() -> tuple[Any, bool, Any]:
+            args = _data.host_pick(batch, held["i"], start + held["i"], orders)
             value, aux, new_params, new_opt, probe, _, new_model = self._step(
-                held["params"], held["opt"], held["model"], batch
+                held["params"], held["opt"], held["model"], args
             )
             held["aux"] = aux
             return np.asarray(value), bool(np.isfinite(probe)), (new_params, new_opt, new_model)
 
         def commit(token: Any) -> None:
             held["params"], held["opt"], held["model"] = token
+            held["i"] += 1
 
-        start = int(state.step)
         with Notifier(self.opts, start, n, label="stepfuse.jax") as note:
             trace = run_stepwise(
                 propose_step, commit, n, self.opts, start, note if self.opts.notify else None

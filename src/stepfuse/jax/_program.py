@@ -14,7 +14,10 @@ those of every other loop. What is JAX's own is how the steps are laid out:
   the state before it is rebuilt by running the finite steps again (`Fit._rebuild` on
   the host, `_Loop.rebuilt` inside a user's transform);
 - the masked scan: for reverse-mode ``jax.grad``, a fixed-length ``lax.scan`` whose
-  finished steps are skipped by a ``cond`` and whose refused update is not applied.
+  finished steps are skipped by a ``cond`` and whose refused update is not applied;
+- data streams (`_data.Streams`): each step picks its minibatch from the call's stacked
+  batches or resident dataset; a shuffled dataset's permutation is carried and refreshed
+  at the start of a chunk, which ends at the epoch boundary (per step in the masked scan).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from .._core.loop import (
 )
 from . import _host
 from ._checks import Loss
+from ._data import Streams
 from ._ops import OPS, select
 from ._probe import flat_state, held
 from ._state import FitState
@@ -70,6 +74,8 @@ class Carry(NamedTuple):
       kept: the optimizer- and model-state entries that may stay non-finite
         (`_probe.held`).
       model_state: the model's state with ``has_state`` (None otherwise, not carried).
+      feed: the shuffled data streams' epochs and permutations (`_data.Streams`; None
+        without one, not carried).
     """
 
     flow: Flow
@@ -79,6 +85,7 @@ class Carry(NamedTuple):
     aux: Any
     kept: jax.Array
     model_state: Any = None
+    feed: Any = None
 
 
 class _Loop:
@@ -100,6 +107,7 @@ class _Loop:
         self.opts, self.k = opts, opts.record_every
         self.optimizer, self.loss, self.dispatch, self.batch = optimizer, loss, dispatch, batch
         self.step0, self.n, self.period, self.host_id = step0, n, period, host_id
+        self.streams = Streams(batch)
         self.size = ceil_div(opts.capacity, CHUNK) * CHUNK  # whole chunks (+1 slot: `Carry.buf`)
         self.keep_loss = opts.tol is not None or (opts.notify and scanned)
         self.met: Met | None = None if opts.tol is None else within_tol(OPS, opts.tol, loss.dtype)
@@ -114,7 +122,8 @@ class _Loop:
         )
         aux0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), self.loss.aux_shape)
         kept = held(flat_state((opt_state, model_state)))
-        carry = Carry(flow, params, opt_state, self.fresh_buf(), aux0, kept, model_state)
+        feed = self.streams.start(self.step0)
+        carry = Carry(flow, params, opt_state, self.fresh_buf(), aux0, kept, model_state, feed)
         return varying_like(carry, (params, opt_state, model_state, self.batch))
 
     def fresh_buf(self) -> jax.Array:
@@ -123,9 +132,12 @@ class _Loop:
     def running(self, c: Carry, n: Any) -> Any:
         return running(OPS, c.flow, n, self.met)
 
-    def body(self, first: Any, unrecorded: Any, guarded: bool) -> Callable[[Carry], Carry]:
+    def body(
+        self, first: Any, unrecorded: Any, guarded: bool, refresh: bool = False
+    ) -> Callable[[Carry], Carry]:
         """One step; its loss goes to ``buf[i // k - first]`` or, off the record, to
-        ``buf[unrecorded]``.
+        ``buf[unrecorded]``. Its minibatch is the call's step ``i``'s (`_data.Streams`;
+        ``refresh``: the step itself refreshes the carried permutations, else the chunk).
 
         ``guarded``: a non-finite update is not applied (the masked scan). Otherwise the
         step applies every update and the loop stops after a refused one (its test reads
@@ -135,8 +147,11 @@ class _Loop:
         """
 
         def body(c: Carry) -> Carry:
+            t = self.step0 + c.flow.i
+            feed = self.streams.refresh(c.feed, t) if refresh else c.feed
+            args = self.streams.pick(self.batch, feed, c.flow.i, t)
             value, aux, new_params, new_opt, probe, new_kept, new_state = propose(
-                self.optimizer, self.loss, c.params, c.opt_state, self.batch, c.kept, c.model_state
+                self.optimizer, self.loss, c.params, c.opt_state, args, c.kept, c.model_state
             )
             slot = record_slot(c.flow.i, self.k, first, unrecorded, OPS)
             buf = jax.lax.dynamic_update_index_in_dim(c.buf, value, slot, 0)
@@ -149,7 +164,7 @@ class _Loop:
             # Written after the probe has read the old one (it depends on the probe): else
             # XLA copies it twice a step to update it in place.
             new_kept = select(ok, new_kept, c.kept)
-            return Carry(flow, new_params, new_opt, buf, aux, new_kept, new_state)
+            return Carry(flow, new_params, new_opt, buf, aux, new_kept, new_state, feed)
 
         return body
 
@@ -184,11 +199,17 @@ class _Loop:
         """Run the steps, up to iteration ``end``, whose losses fill one chunk of records.
 
         The losses go to a small buffer that is copied into the trace once per chunk:
-        a per-step write into the whole trace buffer costs far more on XLA:CPU.
+        a per-step write into the whole trace buffer costs far more on XLA:CPU. With a
+        shuffled data stream the chunk starts with its epoch's permutation and ends at the
+        epoch boundary.
         """
         big = c.buf
         first = (c.flow.i // (CHUNK * self.k)) * CHUNK
         limit = jnp.minimum(end, (first + CHUNK) * self.k)
+        if self.streams.shuffled:
+            t = self.step0 + c.flow.i
+            c = c._replace(feed=self.streams.refresh(c.feed, t))
+            limit = jnp.minimum(limit, c.flow.i + self.streams.room(t))
         small = jnp.concatenate([jax.lax.dynamic_slice(big, (first,), (CHUNK,)), big[-1:]])
         inner = jax.lax.while_loop(
             lambda c: self.running(c, limit),
@@ -242,7 +263,7 @@ class _Loop:
     def scanned(self, carry: Carry, length: int) -> Carry:
         """Reverse-differentiable: ``length`` iterations, those past the call's end or its
         stop skipped, a refused update not applied."""
-        body = self.body(0, self.size, True)
+        body = self.body(0, self.size, True, refresh=True)
 
         def scan_body(c: Carry, _: Any) -> tuple[Carry, None]:
             new = jax.lax.cond(self.running(c, self.n), body, lambda c: c, c)

@@ -11,11 +11,21 @@ with ``tf.cond`` (`stepfuse._core.data.epoch_keys` and one ``argsort``, on the d
 only when the epoch changes. A ``tf.data`` iterator is handed in as its resource and
 pulled once per step (``get_next_as_optional``); no XLA loop can hold one, so a fit that
 is given one runs its loop without XLA.
+
+In the fused loop the permutation is not read from its variable at each step but carried
+as a loop variable (`carry_in`, `carrying`, `carry_out`: read once before the loop,
+written once after it). Under XLA a variable that a loop reads while it writes others
+(the model's) is copied at every step: for a dataset of 8,192 rows that copy, the
+``tf.cond`` on it and the write back made a shuffled step of the small benchmark MLP
+~20x slower than a fixed batch's (benchmarks/data_tf.py). The stepwise mode, one step
+per launch, reads and writes the variable as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import tensorflow as tf
@@ -87,6 +97,9 @@ class Streams:
         self._specs: tuple[Any, ...] = ()  # each iterator slot's element structure
         self._exhausted: tf.Variable | None = None  # the call index an iterator ran out at
         self.iterators = False
+        # While the fused loop's step is traced: the position ("pos") and each permutation's
+        # (order, epoch) by `_perms` key, as the loop carries them (see `carrying`).
+        self._carry: dict[Any, Any] | None = None
 
     # -- the host side ------------------------------------------------------------------
 
@@ -175,14 +188,68 @@ class Streams:
 
     # -- inside the program -------------------------------------------------------------
 
+    def _carried(self, structure: Any, flat: Any) -> list[tuple[int, int]]:
+        """The `_perms` keys of the shuffled `Epochs` slots of ``structure``, each once."""
+        if not (isinstance(structure, tuple) and structure[:1] == (_TAG,)):
+            return []
+        keys: list[tuple[int, int]] = []
+        at = 0
+        for s in structure[1]:
+            width = s.width if isinstance(s, Slot) else 1
+            if isinstance(s, Slot) and s.kind == "epochs" and s.shuffle:
+                key = (int(flat[at].shape[0]), s.seed)
+                if key not in keys:
+                    keys.append(key)
+            at += width
+        return keys
+
+    def carry_in(self, structure: Any, flat: Any) -> tuple[Any, ...] | None:
+        """The fused loop's initial carry: the position ``[i, t]`` and each permutation's
+        ``order, epoch``, as their variables hold them (flat); None without streams."""
+        if not (isinstance(structure, tuple) and structure[:1] == (_TAG,)):
+            return None
+        assert self._pos is not None
+        keys = self._carried(structure, flat)
+        return (self._pos.read_value(), *(v.read_value() for key in keys for v in self._perms[key]))
+
+    def carry_out(self, structure: Any, flat: Any, carry: Any) -> None:
+        """Write the loop's final carry back into the variables (the next launch starts
+        from them, and a call in the same epoch sorts nothing)."""
+        assert self._pos is not None
+        self._pos.assign(carry[0])
+        for k, key in enumerate(self._carried(structure, flat)):
+            order, epoch = self._perms[key]
+            order.assign(carry[1 + 2 * k])
+            epoch.assign(carry[2 + 2 * k])
+
+    @contextlib.contextmanager
+    def carrying(self, structure: Any, flat: Any, carry: Any) -> Iterator[Any]:
+        """Within: `unpack` takes the position and permutations from ``carry`` (the loop's,
+        laid out as `carry_in`'s) instead of their variables; yields a function returning
+        the carry after the step. ``carry`` None: the variables, as outside a loop."""
+        if carry is None:
+            yield lambda: None
+            return
+        keys = self._carried(structure, flat)
+        box: dict[Any, Any] = {
+            key: (carry[1 + 2 * k], carry[2 + 2 * k]) for k, key in enumerate(keys)
+        }
+        box["pos"] = carry[0]
+        self._carry = box
+        try:
+            yield lambda: (box["pos"], *(x for key in keys for x in box[key]))
+        finally:
+            self._carry = None
+
     def unpack(self, structure: Any, flat: Any) -> tuple[Any, tuple[Any, ...]]:
         """``(loss_fn's arguments at this step, extra)``: for streams, the step's
         minibatches (and advances the position); ``extra`` is ``(has_value,)`` when an
         iterator may have run out, else ``()``."""
         if not (isinstance(structure, tuple) and structure[:1] == (_TAG,)):
             return tf.nest.pack_sequence_as(structure, list(flat)), ()
+        carry = self._carry
         assert self._pos is not None
-        pos = self._pos.read_value()
+        pos = self._pos.read_value() if carry is None else carry["pos"]
         i, t = pos[0], pos[1]
         out: list[Any] = []
         has: list[Any] = []
@@ -212,8 +279,11 @@ class Streams:
                 element = tf.cond(ok, opt.get_value, lambda: empty)
                 out.extend(tf.nest.flatten(element))
                 has.append(ok)
-        with tf.control_dependencies(out):
-            self._pos.assign_add(tf.constant([1, 1], tf.int64))
+        if carry is not None:  # in the fused loop (see `carrying`)
+            carry["pos"] = pos + 1
+        else:
+            with tf.control_dependencies(out):
+                self._pos.assign_add(tf.constant([1, 1], tf.int64))
         if not has:
             return tuple(out), ()
         ok = tf.reduce_all(tf.stack(has))
@@ -231,16 +301,23 @@ class Streams:
         bs, spe = s.batch_size, s.steps_per_epoch
         epoch, at = t // spe, t % spe
         start = at * bs
+        span = start + tf.range(bs, dtype=tf.int64)  # (a static size, for XLA)
         if not s.shuffle:
-            return start + tf.range(bs, dtype=tf.int64)  # (a static size, for XLA)
+            return span
         n = int(first.shape[0])
-        perm, current = self._perms[(n, s.seed)]
+        key = (n, s.seed)
 
         def refresh() -> Any:
             keys = epoch_keys(_INTS, epoch % 2**32, tf.range(n, dtype=tf.int64), s.seed)
             return tf.cast(tf.argsort(keys, stable=True), tf.int64)
 
+        if self._carry is not None:  # in the fused loop: the carried order (see `carrying`)
+            held, current = self._carry[key]
+            order = tf.cond(tf.equal(current, epoch), lambda: tf.identity(held), refresh)
+            self._carry[key] = (order, epoch)
+            return tf.gather(order, span)
+        perm, current = self._perms[key]
         # The branches only compute; the variables are written after the cond.
         order = tf.cond(tf.equal(current, epoch), perm.read_value, refresh)
         with tf.control_dependencies([perm.assign(order), current.assign(epoch)]):
-            return tf.slice(order, tf.reshape(start, [1]), [bs])
+            return tf.gather(order, span)

@@ -309,14 +309,31 @@ class Fit:
         return tf.cond(ok, lambda: tf.constant(True), restore)
 
     def _inner_py(self, m, i0, prev, *batch):
-        def step():
-            held = [v.read_value() for v in self._held]
-            loss, grads = self._loss_and_grads(batch)
-            return loss, self._guarded_update(loss, grads, held)
+        streams, structure = self._streams, self._structure
+        carry = streams.carry_in(structure, batch)  # shuffled Epochs: the order, as a loop variable
 
-        return _inner_loop(
-            step, m, i0, prev, self.opts, self._cap, xla=self.jit_compile, dtype=self._trace_dtype
+        def step(carried=None):
+            held = [v.read_value() for v in self._held]
+            with streams.carrying(structure, batch, carried) as after:
+                loss, grads = self._loss_and_grads(batch)
+            ok = self._guarded_update(loss, grads, held)
+            return (loss, ok) if carried is None else (loss, ok, after())
+
+        out = _inner_loop(
+            step,
+            m,
+            i0,
+            prev,
+            self.opts,
+            self._cap,
+            xla=self.jit_compile,
+            dtype=self._trace_dtype,
+            carry=carry,
         )
+        if carry is None:
+            return out
+        streams.carry_out(structure, batch, out[-1])
+        return out[:-1]
 
     def _whole_py(self, n, *batch):
         self.compiles += 1

@@ -58,6 +58,7 @@ def _inner_loop(
     cap: int,
     xla: bool = False,
     dtype: Any = tf.float32,
+    carry: tuple | None = None,
 ) -> Any:
     """At most ``m`` guarded steps (the part of a call that XLA compiles).
 
@@ -82,21 +83,30 @@ def _inner_loop(
     met = None if opts.tol is None else loop.within_tol(OPS, opts.tol, np.float64)
     nan32, nan64 = tf.constant(math.nan, tf.float32), tf.constant(math.nan, tf.float64)
 
-    def guarded(flow: Flow) -> tuple[Any, Flow]:
-        """One step at call index ``i0 + flow.i``: (its loss as `dtype`, the next Flow)."""
-        loss, ok = step()
+    extra = len(carry) if carry is not None else 0
+
+    def guarded(flow: Flow, held: tuple) -> tuple[Any, Flow, tuple]:
+        """One step at call index ``i0 + flow.i``: (its loss as `dtype`, the next Flow,
+        the next carry)."""
+        if carry is None:
+            loss, ok = step()
+        else:
+            loss, ok, held = step(held)
         kept = tf.cast(loss, dtype)
         probe = tf.where(ok, tf.constant(0, tf.float32), nan32)
-        return kept, loop.advance(flow, tf.cast(kept, tf.float64), probe)
+        return kept, loop.advance(flow, tf.cast(kept, tf.float64), probe), tuple(held)
 
-    # A Flow's fields as loop variables (tf.while_loop takes no None: `before` is carried
-    # with `tol` only) and back.
-    def flat(flow: Flow) -> tuple:
-        return tuple(x for x in flow if x is not None)
+    # A Flow's fields and the carry as loop variables (tf.while_loop takes no None:
+    # `before` is carried with `tol` only) and back.
+    def flat(flow: Flow, held: tuple = ()) -> tuple:
+        return (*held, *(x for x in flow if x is not None))
+
+    def split(values: Any) -> tuple[Flow, tuple]:
+        held, (i, probe, last, *before) = tuple(values[:extra]), values[extra:]
+        return Flow(i, probe, last, before[0] if before else None), held
 
     def unflat(values: Any) -> Flow:
-        i, probe, last, *before = values
-        return Flow(i, probe, last, before[0] if before else None)
+        return split(values)[0]
 
     def running(values: Any) -> Any:
         return loop.running(OPS, unflat(values), m, met)
@@ -107,21 +117,21 @@ def _inner_loop(
     if not xla:
 
         def body(values: Any, buf: Any) -> Any:
-            flow = unflat(values)
-            kept, new = guarded(flow)
+            flow, held = split(values)
+            kept, new, held = guarded(flow, held)
             i = i0 + flow.i
             if r == 1:
                 buf = buf.write(flow.i, kept)
             else:
                 slot = loop.record_slot(i, r, first_slot, -1, OPS)
                 buf = tf.cond(slot >= 0, lambda: buf.write(slot, kept), lambda: buf)
-            return flat(new), buf
+            return flat(new, held), buf
 
         # Sized by what is written: stacking a TensorArray of `cap` entries costs time
         # however few steps ran.
         buf = tf.TensorArray(dtype, size=0, dynamic_size=True, element_shape=[])
         values, buf = tf.while_loop(
-            lambda v, b: running(v), body, (flat(flow0), buf), maximum_iterations=m
+            lambda v, b: running(v), body, (flat(flow0, carry or ()), buf), maximum_iterations=m
         )
         buf = buf.stack()
     else:
@@ -133,10 +143,10 @@ def _inner_loop(
             end = tf.minimum(m, ((k + 1) * C + first_slot) * r - i0)
 
             def body(values: Any, small: Any) -> Any:
-                flow = unflat(values)
-                kept, new = guarded(flow)
+                flow, held = split(values)
+                kept, new, held = guarded(flow, held)
                 slot = loop.record_slot(i0 + flow.i, r, first_slot + k * C, C, OPS)
-                return flat(new), tf.where(tf.equal(where, slot), kept, small)
+                return flat(new, held), tf.where(tf.equal(where, slot), kept, small)
 
             values, small = tf.while_loop(
                 lambda v, b: tf.logical_and(running(v), unflat(v).i < end),
@@ -147,12 +157,14 @@ def _inner_loop(
 
         chunks = tf.TensorArray(dtype, size=ceil_div(cap, C), element_shape=[C])
         values, chunks, _ = tf.while_loop(
-            lambda v, c, k: running(v), chunk, (flat(flow0), chunks, tf.constant(0, _INT))
+            lambda v, c, k: running(v),
+            chunk,
+            (flat(flow0, carry or ()), chunks, tf.constant(0, _INT)),
         )
         buf = tf.reshape(chunks.stack(), [-1])
-    flow = unflat(values)
+    flow, held = split(values)
     count = ceil_div(i0 + flow.i, r) - first_slot
-    return (
+    out = (
         buf,
         count,
         flow.i,
@@ -160,6 +172,7 @@ def _inner_loop(
         loop.stop_code(OPS, flow, met),
         flow.last,
     )
+    return out if carry is None else (*out, held)
 
 
 def _outer_loop(
