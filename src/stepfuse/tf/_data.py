@@ -12,13 +12,12 @@ only when the epoch changes. A ``tf.data`` iterator is handed in as its resource
 pulled once per step (``get_next_as_optional``); no XLA loop can hold one, so a fit that
 is given one runs its loop without XLA.
 
-In the fused loop the permutation is not read from its variable at each step but carried
-as a loop variable (`carry_in`, `carrying`, `carry_out`: read once before the loop,
-written once after it). Under XLA a variable that a loop reads while it writes others
-(the model's) is copied at every step: for a dataset of 8,192 rows that copy, the
-``tf.cond`` on it and the write back made a shuffled step of the small benchmark MLP
-~20x slower than a fixed batch's (benchmarks/data_tf.py). The stepwise mode, one step
-per launch, reads and writes the variable as before.
+In the fused loop the position and the permutation are not read from their variables at
+each step but carried as loop variables (`carry_in`, `carrying`, `carry_out`: read once
+before the loop, written once after it); the stepwise mode, one step per launch, reads
+and writes the variables. A step's rows are a ``tf.gather`` of a fixed-size range of the
+order: a ``tf.slice`` whose start is read from a variable made XLA compile the loop anew
+at every call (2-4 s each, whatever the call's steps).
 """
 
 from __future__ import annotations
