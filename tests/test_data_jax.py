@@ -80,6 +80,18 @@ def close(a: Any, b: Any, rtol: float = RTOL, atol: float = ATOL) -> None:
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=atol)
 
 
+def agree_with_plain(runs: dict, reference: tuple) -> None:
+    """``runs[mode] = (state, losses)`` of the fused and stepwise fits: each equals the
+    plain loop's ``(losses, params, opt_state)`` and the other."""
+    ref, params, opt_state = reference
+    (fs, fl), (ss, sl) = runs["fused"], runs["stepwise"]
+    close(fl, ref)
+    close(sl, fl)
+    close(fs.params, params)
+    close(fs.opt_state, opt_state)
+    close(ss.params, fs.params)
+
+
 def same(a: Any, b: Any) -> None:
     la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
     assert len(la) == len(lb)
@@ -113,13 +125,7 @@ def test_epochs_across_boundaries_fused_equals_stepwise_and_plain(shuffle: bool)
         assert int(s.step) == 17 and t1.steps == 12 and t2.steps == 5
         assert fit.compiles == 1
         runs[mode] = (s, np.concatenate([t1.loss, t2.loss]))
-    ref, params, opt_state = plain(epoch_batches(data, 0, 17))
-    (fs, fl), (ss, sl) = runs["fused"], runs["stepwise"]
-    close(fl, ref)
-    close(sl, fl)
-    close(fs.params, params)
-    close(fs.opt_state, opt_state)
-    close(ss.params, fs.params)
+    agree_with_plain(runs, plain(epoch_batches(data, 0, 17)))
 
 
 def test_epochs_resume_k_then_rest_equals_one_call_bitwise() -> None:
@@ -147,13 +153,7 @@ def test_batches_over_calls_fused_equals_stepwise_and_plain() -> None:
         s, t2 = fit(s, sf.Batches(XS[7:], YS[7:]), steps=5)
         assert (t1.steps, t2.steps, int(s.step)) == (7, 5, 12)
         runs[mode] = (s, np.concatenate([t1.loss, t2.loss]))
-    ref, params, opt_state = plain(list(zip(XS, YS)))
-    (fs, fl), (ss, sl) = runs["fused"], runs["stepwise"]
-    close(fl, ref)
-    close(sl, fl)
-    close(fs.params, params)
-    close(fs.opt_state, opt_state)
-    close(ss.params, fs.params)
+    agree_with_plain(runs, plain(list(zip(XS, YS))))
 
 
 def test_fixed_arguments_beside_streams() -> None:

@@ -31,6 +31,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .._core import ceil_div
+
 DATA_SIZES = ("data-small", "data-mnist")
 ROWS = 8192
 PROBLEMS = {"data-small": ((32, 64, 10), 32), "data-mnist": ((784, 256, 10), 128)}
@@ -66,7 +68,7 @@ def contenders(backend: str, size: str, n: int) -> tuple[Builders, dict[str, int
 
 def _whole_epochs(n: int, spe: int) -> int:
     """``n`` rounded up to whole epochs (a hand-written epoch loop runs whole epochs)."""
-    return -(-n // spe) * spe
+    return ceil_div(n, spe) * spe
 
 
 # -- JAX -------------------------------------------------------------------------------------
