@@ -186,6 +186,7 @@ def _outer_loop(
     speed: Any = None,
     dtype: Any = tf.float32,
     count: Any = None,
+    extras: tuple = (),
 ) -> Any:
     """A whole call: ``inner`` chunks (launches of the compiled inner loop) of at most
     ``steps_per_launch`` steps each, until ``n`` or a stop.
@@ -200,13 +201,16 @@ def _outer_loop(
     the previous call's), or when that is 0 to the first multiple. ``count`` (an int64
     variable) gets each chunk's applied updates before its notification, so a callback
     that raises leaves it right.
-    Returns ``(losses, applied, stop, last loss)``.
+    ``extras``: the dtypes of more buffers ``inner`` returns, after its six outputs and a
+    count of the entries they hold (evaluations): each chunk's ``buffer[:count]`` is kept,
+    and their concatenations follow the four results.
+    Returns ``(losses, applied, stop, last loss, *extras' concatenations)``.
     """
 
-    def cond(i, applied, stop, prev, ta, k, ticks, clock):
+    def cond(i, applied, stop, prev, ta, k, ticks, clock, *more):
         return tf.logical_and(i < n, tf.equal(stop, int(Stop.STEPS)))
 
-    def body(i, applied, stop, prev, ta, k, ticks, clock):
+    def body(i, applied, stop, prev, ta, k, ticks, clock, *more):
         m = tf.minimum(tf.constant(steps_per_launch, _INT), n - i)
         if opts.notify:  # a chunk ends at a multiple of `every` (the XLA loop needn't check)
             gstep = step0 + tf.cast(applied, tf.int64)
@@ -215,8 +219,9 @@ def _outer_loop(
                 ahead = tf.maximum(ahead, tf.cast(clock[1] * _PUBLISH_SECONDS, tf.int64))
             end = next_multiple(gstep, opts.every, ahead)
             m = tf.minimum(m, tf.cast(end - gstep, _INT))
-        buf, kept, j, a, stop, prev = inner(m, i, prev)
+        buf, kept, j, a, stop, prev, *got = inner(m, i, prev)
         ta = ta.write(k, buf[:kept])
+        more = tuple(t.write(k, b[: got[0]]) for t, b in zip(more, got[1:]))
         applied = applied + a
         if count is not None:
             with tf.control_dependencies([count.assign_add(tf.cast(a, tf.int64))]):
@@ -236,7 +241,7 @@ def _outer_loop(
             )
             with tf.control_dependencies([ticks]):  # a TF1 graph would prune the unread count
                 j = tf.identity(j)
-        return i + j, applied, stop, prev, ta, k + 1, ticks, clock
+        return (i + j, applied, stop, prev, ta, k + 1, ticks, clock, *more)
 
     ta = tf.TensorArray(dtype, size=0, dynamic_size=True, infer_shape=False, element_shape=[None])
     # (time the last chunk ended, its steps per second): sizes a bar's chunks
@@ -250,6 +255,10 @@ def _outer_loop(
         tf.constant(0, _INT),
         tf.constant(0, _INT),
         clock,
+        *(
+            tf.TensorArray(d, size=0, dynamic_size=True, infer_shape=False, element_shape=[None])
+            for d in extras
+        ),
     )
-    _, applied, stop, prev, ta, _, _, _ = tf.while_loop(cond, body, init)
-    return ta.concat(), applied, stop, prev
+    _, applied, stop, prev, ta, _, _, _, *more = tf.while_loop(cond, body, init)
+    return (ta.concat(), applied, stop, prev, *(t.concat() for t in more))
