@@ -3,10 +3,11 @@ seed's problem (a 2->2 dense layer, SGD lr 0.01, the 50 blobs): a fused run of N
 over a fixed batch of B rows (fed once per run), over `stepfuse.Batches` (N stacked
 minibatches of B, fed once per run), over `stepfuse.Epochs` (the 50 points as a resident
 dataset, shuffled or not), and over the fixed batch with ``eval_fn`` (the loss on the 50
-points every ``eval_every`` steps). All are built in one process and timed interleaved,
-round after round; the best round of each is reported (us/step).
+points every 100 steps). All are built in one process and timed interleaved, one run of
+each in turn, ``--runs`` times; the fastest and the median run of each are reported
+(us/step; the fastest is the least disturbed by other processes on a shared machine).
 
-    python benchmarks/data_tf1.py [--steps 1000 10] [--batch-size 10] [--rounds 7]
+    python benchmarks/data_tf1.py [--steps 1000 10] [--batch-size 10] [--runs 300]
 
 ``--only fixed`` times the fixed batch alone (to compare two versions of stepfuse in
 separate processes, e.g. with PYTHONPATH pointing at each).
@@ -79,24 +80,21 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, nargs="+", default=[1000, 10])
     ap.add_argument("--batch-size", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--runs", type=int, default=0, help="runs per round (default ~0.2 s)")
+    ap.add_argument("--runs", type=int, default=300, help="timed runs of each case")
     ap.add_argument("--only", nargs="+", default=list(CASES), choices=CASES)
     args = ap.parse_args(argv)
     x, y = blobs(50)
     for steps in args.steps:
-        runs = args.runs or max(1, 20_000 // steps)
         built = {c: build(c, steps, args.batch_size, x, y) for c in args.only}
-        best = {c: float("inf") for c in built}
-        for _ in range(args.rounds):
+        times: dict[str, list[float]] = {c: [] for c in built}
+        for _ in range(args.runs):
             for c, (_, run) in built.items():
                 t0 = time.perf_counter()
-                for _ in range(runs):
-                    run()
-                best[c] = min(best[c], (time.perf_counter() - t0) / (runs * steps) * 1e6)
-        print(f"N = {steps} steps a run, batch {args.batch_size}, best of {args.rounds} rounds")
-        for c in built:
-            print(f"  {c:<18} {best[c]:9.3f} us/step")
+                run()
+                times[c].append((time.perf_counter() - t0) / steps * 1e6)
+        print(f"N = {steps} steps a run, batch {args.batch_size}, {args.runs} runs each (us/step)")
+        for c, ts in times.items():
+            print(f"  {c:<18} fastest {min(ts):9.3f}   median {float(np.median(ts)):9.3f}")
         for sess, _ in built.values():
             sess.close()
 
