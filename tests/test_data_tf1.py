@@ -254,6 +254,23 @@ def test_batches_of_placeholders_with_an_unknown_leading_axis(mode: str) -> None
     same(got, ref_vars)
 
 
+def test_a_fed_steps_tensor_is_checked_against_the_fed_stack() -> None:
+    with tf.Graph().as_default():
+        vs, loss_fn = _model()
+        xs = tf1.placeholder(tf.float32, (None, 4, 3), name="xs")
+        ys = tf1.placeholder(tf.float32, (None, 4), name="ys")
+        n = tf1.placeholder(tf.int32, [])
+        fit = sf1.fuse(loss_fn, tf1.train.AdamOptimizer(0.05), steps=n, data=sf.Batches(xs, ys))
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            before = sess.run(vs)
+            with pytest.raises(ValueError, match="holds 4 stacked minibatches but the call runs 5"):
+                fit.run(sess, {xs: XS[:4], ys: YS[:4], n: 5})
+            for u, v in zip(before, sess.run(vs)):
+                np.testing.assert_array_equal(u, v)
+            assert fit.run(sess, {xs: XS[:4], ys: YS[:4], n: 4}).steps == 4
+
+
 def test_batches_of_a_known_length_shorter_than_steps_is_refused_at_build() -> None:
     with tf.Graph().as_default():
         _, loss_fn = _model()
@@ -417,3 +434,11 @@ def test_the_tf1_guides_evaluation_example_runs() -> None:
     accuracy = scope["accuracy"]
     assert accuracy.dtype == np.float32 and accuracy.shape == (4,)
     assert ((accuracy >= 0) & (accuracy <= 1)).all()
+
+
+def test_the_data_benchmark_script_times_every_case(capsys, benchmark_script) -> None:
+    # benchmarks/data_tf1.py on its smallest settings: it runs and reports each case
+    benchmark_script("data_tf1").main(["--steps", "3", "--runs", "1", "--batch-size", "5"])
+    out = capsys.readouterr().out
+    for case in ("fixed", "batches", "epochs", "epochs_unshuffled", "fixed_eval"):
+        assert f"  {case} " in out

@@ -101,8 +101,11 @@ class Fused(Fit):
         """Run the loop once in ``sess`` and return the host `stepfuse.Trace` (with
         ``eval_fn``, its ``eval`` holds the run's evaluations)."""
         feed = dict(feed_dict or {})
-        if self.streams is not None:
-            self.streams.check_feed(feed, self.opts.steps if steps is None else steps)
+        if self.streams is not None:  # (the steps of this run: given, fed, or built)
+            n = self.opts.steps if steps is None else _check_run_steps(steps, self.max_steps)
+            if steps is None and self.steps in feed:
+                n = int(feed[self.steps])
+            self.streams.check_feed(feed, n)
         if steps is not None and not (
             type(steps) is int and steps == self.opts.steps and self.max_steps
         ):
