@@ -14,8 +14,10 @@ resumed from a checkpoint evaluates where an uninterrupted one would. A refused
 ``tol`` evaluates up to its last applied update.
 
 What ``eval_fn`` is called with differs by backend (JAX: ``eval_fn(params, *eval_batch)``,
-with ``has_state``: ``eval_fn(params, model_state, *eval_batch)``; TF2, TF1 and torch:
-``eval_fn(*eval_batch)`` reading the model's variables); everything else is here.
+with ``has_state``: ``eval_fn(params, model_state, *eval_batch)``; TF2 and torch:
+``eval_fn(*eval_batch)`` reading the model's variables; TF1: ``eval_fn()`` builds the
+evaluation from the graph's tensors, and a run's ``feed_dict`` feeds it); everything else
+is here.
 """
 
 from __future__ import annotations
