@@ -306,6 +306,24 @@ def test_callback_launches_gather_the_evaluations() -> None:
             close(a, b)
 
 
+def test_a_call_longer_than_a_launch_gathers_every_launchs_evaluations() -> None:
+    """With ``eval_fn`` a launch runs at most 63 evaluations' steps here (252): a call of
+    600 runs three launches in the graph loop, whose evaluations all reach the trace, as
+    120 calls of 5 steps (one launch each) evaluate."""
+    fit, model = make(steps=5, eval_every=4, jit_compile=False)
+    assert fit._steps_per_launch == 252
+    trace = fit(X, Y, steps=600, eval_batch=(XV, YV))
+    assert fit.compiles == 1 and trace.steps == 600
+    short, short_model = make(steps=5, eval_every=4, jit_compile=False)
+    steps, values = collect(run_calls(short, (5,) * 120, X, Y))
+    np.testing.assert_array_equal(trace.eval.step, np.arange(4, 601, 4))
+    np.testing.assert_array_equal(trace.eval.step, steps)
+    for k in values:
+        np.testing.assert_array_equal(trace.eval[k], values[k])
+    for a, b in zip(model.get_weights(), short_model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
 def _bn_fit(eval_fn: bool) -> tuple[Any, Any]:
     keras.utils.set_random_seed(1)
     model = keras.Sequential(

@@ -44,6 +44,14 @@ __all__ = ["Fit"]
 # larger. Each launch costs wall time, so a call far longer than the built `steps` runs in
 # launches this long; short calls are unaffected (docs/internals/tf.md).
 _MIN_STEPS_PER_LAUNCH = 16384
+# With eval_fn, a launch carries buffers for its evaluations, one slot per evaluation it may
+# run, so it runs fewer steps: at least max(steps, 1024) where that needs at most
+# _EVAL_SLOTS slots (else as many as the fit's `steps` need, or _EVAL_SLOTS). Sized by 16384
+# steps they cost the seed with eval_every=steps=10 ~60 us a call more, ~45 us of it because
+# XLA:CPU runs a loop body that touches a buffer over 512 bytes slower (63 slots and the
+# spare one of int64 steps are 512 bytes); docs/internals/tf.md.
+_MIN_STEPS_PER_EVAL_LAUNCH = 1024
+_EVAL_SLOTS = 63
 
 
 def _random_ops(graph_def: Any) -> tuple[str, ...]:
@@ -69,10 +77,11 @@ class Fit:
       mode: ``"fused"`` or ``"stepwise"`` (the ``mode`` given to `fuse`; a loop XLA cannot
         compile still runs fused, without XLA, and ``jit_compile`` says so).
       compiles: how many times a program was traced (``traces`` is the same counter, its
-        older name; the stepwise mode's step, and its evaluation with ``eval_fn``, count too). It stays at 1 across calls with new ``steps`` and new batch values of
-        the same shapes and dtypes; without a callback or bar, a call longer than
-        ``max(steps, 16384)`` runs the compiled loop inside a graph loop, as every call
-        with one does: a second program, traced once.
+        older name; the stepwise mode's step and its evaluation count too). It stays at 1
+        across calls with new ``steps`` and new batch values of the same shapes and
+        dtypes; without a callback or bar, a call longer than ``max(steps, 16384)`` (with
+        ``eval_fn`` shorter: see the TF guide) runs the compiled loop inside a graph loop,
+        as every call with one does: a second program, traced once.
       step: updates applied since the fit was built.
       jit_compile: whether the loop is XLA-compiled (turned off with a warning when an
         op cannot be, or when the loss draws random numbers).
@@ -113,6 +122,11 @@ class Fit:
         self._held = [t for t in map(_tf_var, held) if id(t) not in ids]
         # the steps one launch of the (XLA) inner loop runs at most
         self._steps_per_launch = max(opts.steps, _MIN_STEPS_PER_LAUNCH)
+        if opts.eval_every is not None:  # see _EVAL_SLOTS
+            k = opts.eval_every
+            slots = min(ceil_div(_MIN_STEPS_PER_EVAL_LAUNCH, k), _EVAL_SLOTS)
+            slots = max(ceil_div(opts.steps, k), slots)
+            self._steps_per_launch = min(self._steps_per_launch, slots * k)
         # A progress bar alone needs no synchronous host call: the loop publishes
         # (step, loss) in this variable and a thread reads it (see `Notifier.watch`).
         # That costs a fraction of a notification through tf.numpy_function, which a callback
