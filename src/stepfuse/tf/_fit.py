@@ -28,7 +28,14 @@ from .._core import (
     named_evals,
     run_stepwise,
 )
-from ._checks import _ArgumentError, _check_loss, _fail, _learning_rate_of, _tf_var
+from ._checks import (
+    _ArgumentError,
+    _check_loss,
+    _fail,
+    _learning_rate_of,
+    _random_ops,
+    _tf_var,
+)
 from ._data import Streams
 from ._eval import Evaluations
 from ._loop import _INT, _all_finite, _inner_loop, _outer_loop
@@ -52,20 +59,6 @@ _MIN_STEPS_PER_LAUNCH = 16384
 # spare one of int64 steps are 512 bytes); docs/internals/tf.md.
 _MIN_STEPS_PER_EVAL_LAUNCH = 1024
 _EVAL_SLOTS = 63
-
-
-def _random_ops(graph_def: Any) -> tuple[str, ...]:
-    """The random-number op types in a graph and its functions (loop bodies, branches).
-
-    XLA implements TensorFlow's random ops with its own generators: the same seed draws
-    other numbers than TensorFlow's kernels do, eagerly or in a plain ``tf.function``
-    (a Keras Dropout layer draws a different mask), so an XLA loop would drift from the
-    plain training loop from its first step."""
-    nodes = list(graph_def.node)
-    for function in graph_def.library.function:
-        nodes += function.node_def
-    marks = ("Random", "Rng", "Multinomial", "TruncatedNormal", "Shuffle")
-    return tuple(sorted({n.op for n in nodes if any(m in n.op for m in marks)}))
 
 
 class Fit:
