@@ -21,6 +21,7 @@ from .evaluation import (
     eval_names,
     eval_values,
     host_evals,
+    named_evals,
 )
 from .loop import HOST, Flow, Ops
 from .options import (
@@ -68,6 +69,7 @@ __all__ = [
     "host_evals",
     "host_trace",
     "n_recorded",
+    "named_evals",
     "next_multiple",
     "paced_every",
     "run_stepwise",

@@ -25,11 +25,14 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .options import fail
+
+if TYPE_CHECKING:
+    from .trace import Trace
 
 __all__ = [
     "SCALAR",
@@ -40,6 +43,7 @@ __all__ = [
     "eval_names",
     "eval_values",
     "host_evals",
+    "named_evals",
 ]
 
 SCALAR = "value"
@@ -193,3 +197,14 @@ def host_evals(step: Any, values: Mapping[str, Any], count: Any) -> EvalTrace:
         step=np.asarray(step, dtype=np.int64)[:n].copy(),
         values={k: _series(v)[:n].copy() for k, v in values.items()},
     )
+
+
+def named_evals(trace: Trace, dtypes: Mapping[str, Any]) -> Trace:
+    """``trace`` with empty series of ``dtypes`` (name -> dtype) where it ran no evaluation
+    and names none: the stepwise reference learns the names from an evaluation, and a
+    backend that knows them (from tracing ``eval_fn``) gives its stepwise trace the series
+    its fused trace has."""
+    if trace.eval is None or len(trace.eval) or trace.eval.values:
+        return trace
+    empty = {name: np.zeros(0, np.dtype(d)) for name, d in dtypes.items()}
+    return dataclasses.replace(trace, eval=host_evals([], empty, 0))

@@ -18,7 +18,7 @@ import tensorflow as tf
 from .._core import Options, ceil_div, check_int, check_options
 from .._core.options import shared_doc_of
 from ._checks import _check_jit_compile, _fail
-from ._loop import _inner_loop, _outer_loop
+from ._loop import Buffers, _inner_loop, _outer_loop
 from ._v1_data import V1Data, _resource_variable
 from ._v1_eval import V1Eval
 from ._v1_fit import Fit, Fused, Stepwise
@@ -322,7 +322,7 @@ def fuse(
             raise
         return np.int32(1)
 
-    extras = () if evaluation is None else (tf.int64, *evaluation.dtypes)
+    gather = None if evaluation is None else Buffers((tf.int64, *evaluation.dtypes))
     k = tail_size(counter is not None, evaluation is not None)
     # `loss` fetched with the loop in one run is the loss before the run's updates, as with
     # `sess.run([loss, optimizer.minimize(loss)])`: the loop waits for its variable reads
@@ -344,7 +344,7 @@ def fuse(
                     chunk,
                     notify if opts.notify else None,
                     dtype=dtype,
-                    extras=extras,
+                    gather=gather,
                 )
             t_after = None
             if counter is not None:  # (each chunk wrote it back)
