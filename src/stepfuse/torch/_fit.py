@@ -45,8 +45,8 @@ from .._core import (
     n_recorded,
     next_multiple,
     run_stepwise,
-    shared_doc,
 )
+from .._core.options import shared_doc_of
 from . import _cuda, _data, _program
 from ._probe import (
     BatchError,
@@ -537,7 +537,9 @@ FusedFit = Fit
 """The old name of `Fit`."""
 
 
-@shared_doc
+@shared_doc_of(
+    "steps", "tol", "record_every", "callback", "every", "progress", "on_nonfinite", "mode"
+)
 def fuse(
     loss_fn: Callable[..., torch.Tensor],
     optimizer: torch.optim.Optimizer,
