@@ -9,6 +9,7 @@ running out; the TF1 stacked feed against its plain loop; the guide's examples a
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -149,10 +150,16 @@ def test_a_fixed_argument_beside_batches() -> None:
 
 def test_iterator_fused_equals_stepwise_and_plain_and_runs_without_xla() -> None:
     ds = tf.data.Dataset.from_tensor_slices((X[:40], Y[:40])).batch(8)
-    fused, fm = make(steps=4)
+    fused, fm = make(steps=4, jit_compile=True)
     with pytest.warns(RuntimeWarning, match="tf.data iterator"):
         losses = fused(iter(ds.repeat())).loss
     assert not fused.jit_compile
+    auto, am = make(steps=4)  # jit_compile="auto": no warning, fit.plan says why
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        auto_losses = auto(iter(ds.repeat())).loss
+    assert not auto.jit_compile and "iterator" in auto.plan["reason"]
+    np.testing.assert_array_equal(auto_losses, losses)
     step, sm = make(steps=4, mode="stepwise", jit_compile=False)
     slosses = step(iter(ds.repeat())).loss
     ref, rm = plain([(X[i : i + 8], Y[i : i + 8]) for i in range(0, 32, 8)])

@@ -1,6 +1,7 @@
 """stepfuse.tf (TF2 / Keras): equivalence with GradientTape training, no retrace, stops, errors."""
 
 import math
+import warnings
 
 import keras
 import numpy as np
@@ -245,12 +246,38 @@ def test_an_op_xla_cannot_compile_falls_back_with_a_warning_at_the_call(mode, da
         )
         return loss_fn(x, y) + 0.0 * tf.cast(count, tf.float32)
 
-    fit = sf.fuse(with_host_op, keras.optimizers.SGD(0.1), variables, steps=3, mode=mode)
+    fit = sf.fuse(
+        with_host_op, keras.optimizers.SGD(0.1), variables, steps=3, mode=mode, jit_compile=True
+    )
     with pytest.warns(RuntimeWarning, match="could not be XLA-compiled") as caught:
         losses = list(fit(x, y).loss)
     assert caught[0].filename == __file__ and not fit.jit_compile
+    assert fit.plan["xla"] is False and "XLA could not compile" in fit.plan["reason"]
     losses += list(fit(x, y, steps=1).loss)
     np.testing.assert_allclose(losses, ref, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("mode", ["fused", "stepwise"])
+def test_auto_runs_without_xla_where_it_cannot_compile_and_says_why(mode, data):
+    """jit_compile="auto" (the default) takes the loop XLA cannot compile to TensorFlow's
+    kernels without a warning; fit.plan names the cause."""
+    x, y = data
+    _, ref_vars, ref_loss = make_problem("perceptron")
+    ref = reference_steps(ref_loss, keras.optimizers.SGD(0.1), ref_vars, x, y, 3)
+    _, variables, loss_fn = make_problem("perceptron")
+
+    def with_host_op(x, y):
+        count = tf.numpy_function(lambda v: np.float32(0.0), [y], tf.float32, stateful=False)
+        return loss_fn(x, y) + tf.reshape(count, [])
+
+    fit = sf.fuse(with_host_op, keras.optimizers.SGD(0.1), variables, steps=3, mode=mode)
+    assert fit.plan["xla"] is (None if mode == "fused" else True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trace = fit(x, y)
+    assert not fit.jit_compile and fit.plan["xla"] is False
+    assert "compile" in fit.plan["reason"]
+    np.testing.assert_allclose(trace.loss, ref, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("mode", ["fused", "stepwise"])
@@ -640,7 +667,7 @@ def test_uncompilable_op_falls_back_without_xla_with_a_warning(data):
     def loss_np(x, y):
         return loss_fn(tf.reshape(tf.numpy_function(scale, [x], tf.float32), x.shape), y)
 
-    fit = sf.fuse(loss_np, keras.optimizers.SGD(0.01), variables, steps=3)
+    fit = sf.fuse(loss_np, keras.optimizers.SGD(0.01), variables, steps=3, jit_compile=True)
     with pytest.warns(RuntimeWarning, match="XLA"):
         trace = fit(x, y)
     assert not fit.jit_compile and trace.steps == 3 and abs(trace.loss[0] - LN2) < 1e-6

@@ -16,7 +16,10 @@ Contenders, per backend (each trains on every step's own minibatch, reshuffled e
   jitted step per minibatch, the minibatches on the device beforehand.
 * TF2: ``stepfuse``; ``keras fit (spe=100, jit)``: ``model.fit(x, y, batch_size=B,
   shuffle=True)`` with ``steps_per_execution=100, jit_compile=True``; ``tf.function
-  step``: one XLA step per minibatch gathered on the device.
+  step``: one XLA step per minibatch gathered on the device; ``tf.while_loop (on-device
+  shuffle)``, the hand-written loop: an on-device permutation per epoch and a
+  ``tf.while_loop`` over its minibatches (``tf.gather`` of the rows), inside one XLA
+  ``tf.function`` (whole epochs, the last loss returned).
 * torch: ``stepfuse``; ``eager DataLoader``: the eager loop over a shuffling
   ``DataLoader(TensorDataset(x, y), batch_size=B, shuffle=True, drop_last=True)``.
 
@@ -41,7 +44,12 @@ LR = 1e-3
 
 CONTENDERS = {
     "jax": ("stepfuse", "lax.scan (on-device shuffle)", "jit per step"),
-    "tf": ("stepfuse", "keras fit (spe=100, jit)", "tf.function step"),
+    "tf": (
+        "stepfuse",
+        "tf.while_loop (on-device shuffle)",
+        "keras fit (spe=100, jit)",
+        "tf.function step",
+    ),
     "torch": ("stepfuse", "eager DataLoader"),
 }
 
@@ -235,9 +243,49 @@ def _tf(size: str, n: int) -> tuple[Builders, dict[str, int]]:
 
         return run
 
-    steps_for = {"keras fit (spe=100, jit)": _whole_epochs(n, spe), "tf.function step": min(n, 512)}
+    def while_loop():
+        m = model()
+        opt = keras.optimizers.Adam(LR)
+        opt.build(m.trainable_variables)
+        xd, yd = tf.constant(x), tf.constant(y)
+
+        @tf.function(jit_compile=True, autograph=False)
+        def epochs(count, seed):
+            def one_epoch(e, _):
+                keys = tf.random.stateless_uniform([ROWS], tf.stack([seed, e]))
+                perm = tf.argsort(keys)
+
+                def step(i, _):
+                    rows = tf.gather(perm, i * bs + tf.range(bs))
+                    with tf.GradientTape() as tape:
+                        loss = ce(m, tf.gather(xd, rows), tf.gather(yd, rows))
+                    grads = tape.gradient(loss, m.trainable_variables)
+                    opt.apply_gradients(zip(grads, m.trainable_variables))
+                    return i + 1, loss
+
+                _, loss = tf.while_loop(lambda i, _: i < spe, step, (0, 0.0))
+                return e + 1, loss
+
+            return tf.while_loop(lambda e, _: e < count, one_epoch, (0, 0.0))[1]
+
+        epoch0 = [0]
+
+        def run(steps):
+            count = steps // spe
+            loss = epochs(tf.constant(count), tf.constant(epoch0[0]))
+            epoch0[0] += 1
+            return float(loss)
+
+        return run
+
+    steps_for = {
+        "keras fit (spe=100, jit)": _whole_epochs(n, spe),
+        "tf.function step": min(n, 512),
+        "tf.while_loop (on-device shuffle)": _whole_epochs(n, spe),
+    }
     return {
         "stepfuse": stepfuse,
+        "tf.while_loop (on-device shuffle)": while_loop,
         "keras fit (spe=100, jit)": keras_fit,
         "tf.function step": per_step,
     }, steps_for

@@ -23,6 +23,7 @@ CONTENDERS = (
     "stepfuse",
     "stepfuse (no XLA)",
     "tf.function per step",
+    "tf.function per step (XLA)",
     "tf.while_loop in tf.function",
     "Keras fit (steps_per_execution)",
 )
@@ -31,6 +32,7 @@ NOTES = {
     "stepfuse": "stepfuse.tf, one tf.function call, XLA inner loop, trace of every loss",
     "stepfuse (no XLA)": "stepfuse.tf with jit_compile=False",
     "tf.function per step": "one tf.function(GradientTape + apply_gradients) call per step",
+    "tf.function per step (XLA)": "the same step as tf.function(jit_compile=True)",
     "tf.while_loop in tf.function": "hand-written tf.while_loop, jit_compile=True, no trace/guards",
     "Keras fit (steps_per_execution)": "model.fit, steps_per_execution=min(N, 1000), jit_compile=True",
     "eager per step": "Keras's plain loop: GradientTape + apply_gradients, eagerly (model sizes)",
@@ -188,23 +190,26 @@ def contenders(size: str, n: int, lr: float = 0.01) -> Any:
 
         return build
 
-    def tf_function_per_step():
-        variables = make_variables(layers)
-        opt = keras.optimizers.SGD(lr)
+    def tf_function_per_step(jit=False):
+        def build():
+            variables = make_variables(layers)
+            opt = keras.optimizers.SGD(lr)
 
-        @tf.function
-        def step(x, y):
-            with tf.GradientTape() as tape:
-                loss = ce(y, mlp_logits(variables, x))
-            opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
-            return loss
+            @tf.function(jit_compile=jit)
+            def step(x, y):
+                with tf.GradientTape() as tape:
+                    loss = ce(y, mlp_logits(variables, x))
+                opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+                return loss
 
-        def run(m):
-            for _ in range(m):
-                loss = step(x, y)
-            return loss.numpy()
+            def run(m):
+                for _ in range(m):
+                    loss = step(x, y)
+                return loss.numpy()
 
-        return run
+            return run
+
+        return build
 
     def while_loop_xla():
         variables = make_variables(layers)
@@ -242,9 +247,14 @@ def contenders(size: str, n: int, lr: float = 0.01) -> Any:
     builders = {
         "stepfuse": stepfuse(True),
         "stepfuse (no XLA)": stepfuse(False),
-        "tf.function per step": tf_function_per_step,
+        "tf.function per step": tf_function_per_step(False),
+        "tf.function per step (XLA)": tf_function_per_step(True),
         "tf.while_loop in tf.function": while_loop_xla,
         "Keras fit (steps_per_execution)": keras_fit,
     }
     slow = min(n, 1000)
-    return builders, {"stepfuse (no XLA)": slow, "tf.function per step": slow}
+    return builders, {
+        "stepfuse (no XLA)": slow,
+        "tf.function per step": slow,
+        "tf.function per step (XLA)": slow,
+    }

@@ -143,16 +143,16 @@ class Streams:
             if isinstance(s, Slot) and s.kind == "epochs" and s.shuffle:
                 self._perm_vars(a.rows, s.seed)
         if any(not isinstance(s, Slot) for s in slots) and fit.jit_compile:
-            warnings.warn(
-                "stepfuse.tf: a tf.data iterator cannot be read inside an XLA-compiled loop, so "
-                "the fit runs its loop without XLA from now on (fit.jit_compile is now False). "
-                "Pass jit_compile=False to silence this, or stack the data (sf.Batches, "
-                "sf.Epochs) to keep XLA.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            fit.jit_compile = False
-            fit._build()
+            if fit.plan["xla"] is not None:  # given jit_compile=True (not "auto")
+                warnings.warn(
+                    "stepfuse.tf: a tf.data iterator cannot be read inside an XLA-compiled loop, "
+                    "so the fit runs its loop without XLA from now on (fit.jit_compile is now "
+                    "False). Pass jit_compile=False to silence this, or stack the data "
+                    "(sf.Batches, sf.Epochs) to keep XLA.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            fit._without_xla("a tf.data iterator is read inside the loop, which XLA cannot compile")
         if self._pos is None:
             self._pos = tf.Variable([0, 0], dtype=tf.int64, trainable=False)
             self._exhausted = tf.Variable(-1, dtype=tf.int64, trainable=False)
@@ -163,6 +163,12 @@ class Streams:
             self._exhausted.assign(-1)
         self._specs = tuple(specs)
         return tuple(flat), (_TAG, tuple(slots), tuple(map(str, specs)))
+
+    def variables(self) -> list[tf.Variable]:
+        """The variables a call writes: the position and the epochs' permutations."""
+        if self._pos is None:
+            return []
+        return [self._pos, *(v for pair in self._perms.values() for v in pair)]
 
     def _perm_vars(self, rows: int, seed: int) -> tuple[tf.Variable, tf.Variable]:
         """The permutation of a dataset of ``rows`` rows and its epoch (-1: none yet)."""

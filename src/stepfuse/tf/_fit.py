@@ -25,8 +25,6 @@ from .._core import (
     deferred_interrupts,
     finish,
     host_trace,
-    named_evals,
-    run_stepwise,
 )
 from ._checks import (
     _ArgumentError,
@@ -39,6 +37,8 @@ from ._checks import (
 from ._data import Streams
 from ._eval import Evaluations
 from ._loop import _INT, _all_finite, _inner_loop, _outer_loop
+from ._plan import AUTO, choose, given, undecided
+from ._stepwise import Stepwise
 
 try:  # a gradient tape left open around a call must not record it (see `Fit._call`)
     from tensorflow.python.eager.record import stop_recording as _not_recorded
@@ -61,7 +61,7 @@ _MIN_STEPS_PER_EVAL_LAUNCH = 1024
 _EVAL_SLOTS = 63
 
 
-class Fit:
+class Fit(Stepwise):
     """A fused fit: ``fit(*batch, steps=None)`` runs the steps in one ``tf.function`` call.
 
     Built by `fuse`.
@@ -76,8 +76,13 @@ class Fit:
         ``eval_fn`` shorter: see the TF guide) runs the compiled loop inside a graph loop,
         as every call with one does: a second program, traced once.
       step: updates applied since the fit was built.
-      jit_compile: whether the loop is XLA-compiled (turned off with a warning when an
-        op cannot be, or when the loss draws random numbers).
+      jit_compile: whether the loop is XLA-compiled. With ``jit_compile="auto"`` it is
+        True until the first fused call chooses (see ``plan``); given True, it is turned
+        off with a warning when an op cannot be compiled, or when the loss draws random
+        numbers.
+      plan: how the loop runs and why, ``{"xla": bool, "reason": str}`` (and
+        ``"us_per_step": {"xla": ..., "tf": ...}``, the trial's times, where the first call
+        timed them; ``"xla": None`` until an ``"auto"`` fit's first call decides).
       variables, optimizer: what the fit trains, and with what.
     """
 
@@ -90,7 +95,7 @@ class Fit:
         optimizer: Any,
         variables: Any,
         opts: Options,
-        jit_compile: bool,
+        jit_compile: bool | str,
         held: Any = (),
     ) -> None:
         self.loss_fn, self.optimizer, self.variables, self.opts = (
@@ -99,8 +104,17 @@ class Fit:
             variables,
             opts,
         )
-        self.jit_compile = bool(jit_compile)
+        # "auto" runs XLA until the first fused call has timed both paths (`_plan`).
+        self.jit_compile = jit_compile is not False
+        self._jit_given = jit_compile
+        self.plan: dict[str, Any] = given(jit_compile)
         self.mode = opts.mode
+        if opts.mode == "stepwise" and jit_compile == AUTO:
+            self.plan = {
+                "xla": True,
+                "reason": "jit_compile='auto', stepwise mode: the reference's step is "
+                "XLA-compiled (unless the loss draws random numbers)",
+            }
         self.step = 0
         self.compiles = 0
         self._compiled: set[Any] = set()  # the programs (whole / outer) that have run once
@@ -230,6 +244,7 @@ class Fit:
         ops = self._probe(batch)[1] if self.jit_compile else ()
         if not ops:
             return
+        self._without_xla(f"loss_fn draws random numbers ({', '.join(ops)})")
         warnings.warn(
             "stepfuse.tf: loss_fn draws random numbers (ops: "
             f"{', '.join(ops)}; e.g. Dropout), and XLA draws other numbers than "
@@ -240,8 +255,29 @@ class Fit:
             RuntimeWarning,
             stacklevel=3,
         )
+
+    def _without_xla(self, reason: str) -> None:
+        """Run the loop without XLA from now on (``fit.plan`` says why)."""
+        self.plan = {"xla": False, "reason": reason}
         self.jit_compile = False
         self._build()
+
+    def _written_variables(self) -> list:
+        """Every variable a call may write: what a trial of the loop (`_plan`) puts back."""
+        return [*self._state, *self._held, *self._streams.variables()]
+
+    def _adopt(self, plan: dict[str, Any], program: Any, compiles: int) -> None:
+        """Keep ``plan`` (`_plan.choose`): the chosen path's programs, with ``program``
+        (the trial's, already traced for this batch) as the one-launch program."""
+        kept = {k: c for k, c in self._concrete.items() if program is not None and k[0] is program}
+        self.plan, self.jit_compile = plan, bool(plan["xla"])
+        self._build()
+        self.compiles = compiles
+        if kept and self._whole is not None:
+            self._whole = program
+            self._concrete.update(kept)
+            self.compiles += len(kept)
+            self._compiled.add(True)
 
     def _loss_and_grads(self, batch):
         batch, has = self._streams.unpack(self._structure, batch)
@@ -316,7 +352,7 @@ class Fit:
         cut = len(args) - self._evals.size
         return args[:cut], args[cut:]
 
-    def _inner_py(self, m, i0, prev, *args):
+    def _inner_py(self, m, i0, prev, *args, xla=None):
         batch, tail = self._split(args)
         streams, structure = self._streams, self._structure
         carry = streams.carry_in(structure, batch)  # shuffled Epochs: the order, as a loop variable
@@ -336,7 +372,7 @@ class Fit:
             prev,
             self.opts,
             self._cap,
-            xla=self.jit_compile,
+            xla=self.jit_compile if xla is None else xla,
             dtype=self._trace_dtype,
             carry=carry,
             segments=segments,
@@ -349,10 +385,10 @@ class Fit:
             out = out[:-1]
         return (*out, *evaluated)
 
-    def _whole_py(self, n, *args):
+    def _whole_py(self, n, *args, xla=None):
         self.compiles += 1
         buf, count, _, applied, stop, _, *evaluated = self._inner_py(
-            n, tf.constant(0, _INT), tf.constant(math.nan, tf.float64), *args
+            n, tf.constant(0, _INT), tf.constant(math.nan, tf.float64), *args, xla=xla
         )
         return (buf, count, applied, stop, *evaluated)
 
@@ -423,6 +459,8 @@ class Fit:
         self._avoid_xla_for_random_ops(batch)
         if self.opts.mode == "stepwise":
             return self._call_stepwise(batch, n, start, tail)
+        if undecided(self):
+            choose(self, batch, tail)
         self._callback_error, self._notified_step = None, None
         # Python's Ctrl-C handler runs in the main thread only, which is inside the call
         # until it returns (callbacks run on TF's threads): it could land between the
@@ -498,100 +536,15 @@ class Fit:
                     s in msg for s in ("XLA", "xla", "compil", "Compil")
                 ):
                     raise
-                warnings.warn(
-                    f"stepfuse.tf: {what} could not be XLA-compiled, so it runs without XLA "
-                    f"(slower). Pass jit_compile=False to silence this. Cause: {msg.splitlines()[0][:300]}",
-                    RuntimeWarning,
-                    stacklevel=stacklevel,
-                )
-                self.jit_compile = False
-                self._build()
+                cause = msg.splitlines()[0][:300]
+                if self._jit_given is True:  # ("auto": fit.plan says it)
+                    warnings.warn(
+                        f"stepfuse.tf: {what} could not be XLA-compiled, so it runs without XLA "
+                        f"(slower). Pass jit_compile=False to silence this. Cause: {cause}",
+                        RuntimeWarning,
+                        stacklevel=stacklevel,
+                    )
+                self._without_xla(f"XLA could not compile {what} ({cause})")
                 out = run()
         self._compiled.add(key)
         return out
-
-    # -- the stepwise reference -------------------------------------------------------
-
-    def _propose_py(self, *batch):
-        held = [v.read_value() for v in self._held]
-        loss, grads = self._loss_and_grads(batch)
-        snapshot, new, finite = self._apply_checked(loss, grads)
-        with tf.control_dependencies(new):
-            for v, old in zip(self._state, snapshot):
-                v.assign(old)
-        # A refused step also leaves the model's other variables as they were before it.
-        tf.cond(
-            finite, tf.no_op, lambda: tf.group(*[v.assign(o) for v, o in zip(self._held, held)])
-        )
-        return loss, finite, new
-
-    def _propose_once(self, batch):
-        """One proposed step through a ``tf.function``, XLA-compiled as the fused loop is
-        (so random ops, e.g. Dropout, draw what the fused loop draws)."""
-        return self._xla_or_plain(
-            "stepwise", lambda: self._stepwise_functions()[0](*batch), "the step", stacklevel=7
-        )
-
-    def _stepwise_functions(self):
-        if self._single is None:
-            self._single = (
-                tf.function(self._propose_py, autograph=False, jit_compile=self.jit_compile),
-                tf.function(self._commit_py, autograph=False),
-            )
-            self.compiles += 1
-        return self._single
-
-    def _commit_py(self, new):
-        for v, value in zip(self._state, new):
-            v.assign(value)
-
-    def _stepwise_evaluation(self, tail: tuple) -> dict:
-        """The stepwise mode's evaluation at the current variables, through a
-        ``tf.function`` XLA-compiled as the fused loop is; NumPy values."""
-        evals = self._evals
-        assert evals is not None
-
-        def evaluate(*flat):
-            self.compiles += 1  # Python runs here only while the function is traced
-            return evals.values(flat)
-
-        def run():
-            if self._evaluate is None:  # (again after `_build`: XLA may have been turned off)
-                self._evaluate = tf.function(
-                    evaluate, autograph=False, jit_compile=self.jit_compile
-                )
-            return self._evaluate(*tail[1:])
-
-        out = self._xla_or_plain("evaluation", run, "the evaluation", stacklevel=7)
-        return {name: v.numpy() for name, v in out.items()}
-
-    def _call_stepwise(self, batch: Any, n: Any, start: Any, tail: tuple = ()) -> Trace:
-        self._callback_error = None  # a fused call's, which would hide an XLA failure here
-
-        def propose():
-            loss, finite, new = self._propose_once(batch)
-            return loss.numpy(), bool(finite), new
-
-        def commit(new):
-            with deferred_interrupts():  # variables, optimizer state and step move together
-                self._stepwise_functions()[1](new)
-                self.step += 1
-
-        def evaluate():
-            return self._stepwise_evaluation(tail)
-
-        with Notifier(self.opts, start, n, label="stepfuse.tf") as notifier:
-            trace = run_stepwise(
-                propose,
-                commit,
-                n,
-                self.opts,
-                start,
-                notifier if self.opts.notify else None,
-                evaluate if self._evals is not None else None,
-            )
-            notifier.done(trace.steps)
-        if self._evals is not None:
-            trace = named_evals(trace, {n: d.as_numpy_dtype for n, d in self._evals.dtypes.items()})
-        self._streams.check_exhausted(trace, start, self.opts.record_every)
-        return finish(trace, self.opts, start)

@@ -6,8 +6,9 @@ from collections.abc import Callable
 from typing import Any
 
 from .._core import check_options, shared_doc
-from ._checks import _check_jit_compile, _check_optimizer, _check_variables, _fail
+from ._checks import _check_optimizer, _check_variables, _fail
 from ._fit import Fit
+from ._plan import check_jit_compile
 
 __all__ = ["fuse"]
 
@@ -26,7 +27,7 @@ def fuse(
     progress: bool = False,
     on_nonfinite: str = "stop",
     mode: str = "fused",
-    jit_compile: bool = True,
+    jit_compile: bool | str = "auto",
     eval_fn: Callable[..., Any] | None = None,
     eval_every: int | None = None,
 ) -> Fit:
@@ -40,11 +41,15 @@ def fuse(
       variables: a list of trainable float ``tf.Variable`` / ``keras.Variable``, a
         ``tf.Module`` or a built Keras model (its ``trainable_variables``).
       {options}
-      jit_compile: XLA-compile the step loop (default), and the stepwise mode's step (so
-        both draw alike). If an op can't be compiled, the first call warns and falls back
-        to a plain ``tf.function``. A loss with random ops (Dropout) runs without XLA, with
-        a warning: XLA draws other numbers than TensorFlow's kernels from the same seed,
-        and the fit draws what the plain GradientTape loop draws.
+      jit_compile: ``"auto"`` (default; ``None`` too): the first fused call times the loop
+        XLA-compiled and on TensorFlow's own kernels on its batch (every trial step undone)
+        and keeps the faster; ``fit.plan`` says which and why. ``True`` XLA-compiles the
+        step loop, and the stepwise mode's step (so both draw alike; so does ``"auto"`` in
+        the stepwise mode); if an op can't be compiled, the first call warns and falls back
+        to a plain ``tf.function``. ``False`` runs without XLA. A loss with random ops
+        (Dropout) runs without XLA, with a warning: XLA draws other numbers than
+        TensorFlow's kernels from the same seed, and the fit draws what the plain
+        GradientTape loop draws.
 
     Returns:
       a `Fit`; ``trace = fit(*batch, steps=None)`` updates the variables and the optimizer
@@ -89,5 +94,5 @@ def fuse(
     # forward pass: a refused step puts them back too.
     held = list(getattr(variables, "non_trainable_variables", None) or [])  # a module's or model's
     variables = _check_variables(variables)
-    _check_jit_compile(jit_compile)
+    jit_compile = check_jit_compile(jit_compile)
     return Fit(loss_fn, optimizer, variables, opts, jit_compile, held=held)
