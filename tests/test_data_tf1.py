@@ -366,8 +366,9 @@ def test_eval_with_tol_evaluates_up_to_the_last_applied_update() -> None:
 
 
 def test_the_dataset_is_not_a_constant_of_the_graph_def() -> None:
-    x = np.random.default_rng(1).normal(size=(20_000, 3)).astype("float32")  # 240 kB
-    y = np.zeros(20_000, np.float32)
+    # 1.2 MB of data; the graph holds two loops (jit_compile="auto"): ~170 kB
+    x = np.random.default_rng(1).normal(size=(100_000, 3)).astype("float32")
+    y = np.zeros(100_000, np.float32)
     b = Built("fused", 5, sf.Epochs(x, y, batch_size=4))
     assert len(b.graph.as_graph_def().SerializeToString()) < x.nbytes / 2
     trace = b.run(5)

@@ -164,6 +164,33 @@ class Streams:
         self._specs = tuple(specs)
         return tuple(flat), (_TAG, tuple(slots), tuple(map(str, specs)))
 
+    def step_rows(self, structure: Any, flat: Any) -> list[tuple[str, int | None]]:
+        """``(what, leading size)`` of each tensor a step's minibatch holds (None for a
+        scalar): what a strategy splits over its replicas (`_distribute.check_split`)."""
+
+        def lead(shape: Any) -> int | None:
+            return None if len(shape) == 0 or shape[0] is None else int(shape[0])
+
+        if not (isinstance(structure, tuple) and structure[:1] == (_TAG,)):
+            return [(f"batch tensor {i}", lead(t.shape)) for i, t in enumerate(flat)]
+        rows: list[tuple[str, int | None]] = []
+        at, k = 0, 0
+        for j, s in enumerate(structure[1]):
+            if isinstance(s, Slot) and s.kind == "batches":
+                rows += [
+                    (f"batch[{j}] (Batches)", lead(a.shape[1:])) for a in flat[at : at + s.width]
+                ]
+            elif isinstance(s, Slot) and s.kind == "epochs":
+                rows += [(f"batch[{j}] (Epochs)", s.batch_size)]
+            elif isinstance(s, Slot):
+                rows += [(f"batch[{j}]", lead(flat[at].shape))]
+            else:
+                spec = self._specs[k]
+                k += 1
+                rows += [(f"batch[{j}] (tf.data)", lead(p.shape)) for p in tf.nest.flatten(spec)]
+            at += s.width if isinstance(s, Slot) else 1
+        return rows
+
     def variables(self) -> list[tf.Variable]:
         """The variables a call writes: the position and the epochs' permutations."""
         if self._pos is None:

@@ -35,6 +35,7 @@ from ._checks import (
     _tf_var,
 )
 from ._data import Streams
+from ._distribute import check_split, distributed_step, strategy_of, xla_refused
 from ._eval import Evaluations
 from ._loop import _INT, _all_finite, _inner_loop, _outer_loop
 from ._plan import AUTO, choose, given, undecided
@@ -119,8 +120,14 @@ class Fit(Stepwise):
         self.compiles = 0
         self._compiled: set[Any] = set()  # the programs (whole / outer) that have run once
         self._tf_vars = [_tf_var(v) for v in variables]
+        # A model and optimizer created under a tf.distribute strategy: each step runs on
+        # every replica (`_distribute`), without XLA.
+        self._strategy = strategy_of(variables, optimizer)
+        if self._strategy is not None:
+            self._no_xla_under(self._strategy, jit_compile)
         if not optimizer.built:
-            optimizer.build(variables)
+            with self._scope():
+                optimizer.build(variables)
         # Everything a refused update must leave untouched: parameters and optimizer state.
         self._state = self._tf_vars + [_tf_var(v) for v in optimizer.variables]
         # The model's other variables that the forward pass may change: read before it and
@@ -256,6 +263,22 @@ class Fit(Stepwise):
             stacklevel=3,
         )
 
+    def _scope(self) -> Any:
+        """The strategy's scope (or nothing): where the optimizer builds its variables."""
+        return contextlib.nullcontext() if self._strategy is None else self._strategy.scope()
+
+    def _no_xla_under(self, strategy: Any, jit_compile: Any) -> None:
+        reason = xla_refused(strategy)
+        if jit_compile is True:
+            warnings.warn(
+                f"stepfuse.tf: jit_compile=True cannot be kept: {reason}. Pass "
+                "jit_compile='auto' or False to silence this.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        self.plan = {"xla": False, "reason": reason}
+        self.jit_compile = False
+
     def _without_xla(self, reason: str) -> None:
         """Run the loop without XLA from now on (``fit.plan`` says why)."""
         self.plan = {"xla": False, "reason": reason}
@@ -280,7 +303,12 @@ class Fit(Stepwise):
             self._compiled.add(True)
 
     def _loss_and_grads(self, batch):
-        batch, has = self._streams.unpack(self._structure, batch)
+        """The step's loss and gradients on the minibatch ``batch`` picks (`_data`)."""
+        return self._loss_and_grads_of(*self._streams.unpack(self._structure, batch))
+
+    def _loss_and_grads_of(self, batch, has=()):
+        """``loss_fn(*batch)`` and its gradients (``has``: whether an iterator gave the
+        step an element; a NaN loss where it did not)."""
         with tf.GradientTape() as tape:
             try:
                 loss = self.loss_fn(*batch)
@@ -324,25 +352,29 @@ class Fit(Stepwise):
             loss = tf.where(has[0], loss, tf.constant(float("nan"), loss.dtype))
         return loss, grads
 
-    def _apply_checked(self, loss, grads):
-        """Apply the optimizer's update: ``(snapshot, new, ok)``, the state before and after
-        it and whether loss, gradients and new state are all finite."""
+    def _propose(self, batch):
+        """One step applied: ``(loss, snapshot, new, ok)``, the state before and after the
+        optimizer's update and whether loss, gradients and new state are all finite
+        (under a ``tf.distribute`` strategy, on every replica: `_distribute`)."""
+        if self._strategy is not None:
+            return distributed_step(self, batch)
+        loss, grads = self._loss_and_grads(batch)
         snapshot = [v.read_value() for v in self._state]
         self.optimizer.apply_gradients(zip(grads, self.variables))
         new = [v.read_value() for v in self._state]
-        return snapshot, new, _all_finite([loss, *grads, *new])
+        return loss, snapshot, new, _all_finite([loss, *grads, *new])
 
-    def _guarded_update(self, loss, grads, held=()):
-        """Apply the optimizer's update; undo it (state and counters, and ``held``: the
-        model's other variables as read before the forward pass) if anything is non-finite."""
-        snapshot, _, ok = self._apply_checked(loss, grads)
+    def _guarded_update(self, batch, held=()):
+        """One step; undone (state and counters, and ``held``: the model's other variables
+        as read before the forward pass) if anything is non-finite: ``(loss, ok)``."""
+        loss, snapshot, _, ok = self._propose(batch)
 
         def restore():
             for v, old in zip(self._state + self._held, snapshot + list(held)):
                 v.assign(old)
             return tf.constant(False)
 
-        return tf.cond(ok, lambda: tf.constant(True), restore)
+        return loss, tf.cond(ok, lambda: tf.constant(True), restore)
 
     def _split(self, args: tuple) -> tuple[tuple, tuple]:
         """A program's flat arguments as ``(batch, tail)``: the loss's tensors and the
@@ -361,8 +393,7 @@ class Fit(Stepwise):
         def step(carried=None):
             held = [v.read_value() for v in self._held]
             with streams.carrying(structure, batch, carried) as after:
-                loss, grads = self._loss_and_grads(batch)
-            ok = self._guarded_update(loss, grads, held)
+                loss, ok = self._guarded_update(batch, held)
             return (loss, ok) if carried is None else (loss, ok, after())
 
         out = _inner_loop(
@@ -438,6 +469,9 @@ class Fit(Stepwise):
             )
         start = self.step
         batch, structure = self._streams.flatten(batch, n, start, self)
+        if self._strategy is not None:  # each replica takes an equal share of a step's rows
+            rows = self._streams.step_rows(structure, batch)
+            check_split(rows, self._strategy.num_replicas_in_sync, self._strategy)
         if structure != self._structure:  # another nesting of tensors: trace again
             if self._structure is not None:
                 self._build()

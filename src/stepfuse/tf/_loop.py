@@ -31,6 +31,13 @@ def _all_finite(tensors: Any) -> tf.Tensor:
     over the flattened, concatenated tensors is a fixed handful of ops whatever their
     number, where ``reduce_all(is_finite(t))`` costs a few per tensor (docs/internals/tf.md).
     """
+    return tf.math.is_finite(_finite_probe(tensors))
+
+
+def _finite_probe(tensors: Any) -> tf.Tensor:
+    """The sum of ``x * 0`` over every floating-point value in ``tensors`` (float64 if any
+    is, else float32): 0 when all are finite, NaN otherwise (see `_all_finite`). Probes
+    add up: the sum of several is finite exactly when each is."""
     flat = []
     for t in tensors:
         if isinstance(t, tf.IndexedSlices):
@@ -38,10 +45,10 @@ def _all_finite(tensors: Any) -> tf.Tensor:
         if t is not None and t.dtype.base_dtype.is_floating:
             flat.append(t)
     if not flat:
-        return tf.constant(True)
+        return tf.constant(0.0)
     dtype = tf.float64 if any(t.dtype.base_dtype == tf.float64 for t in flat) else tf.float32
     flat = tf.concat([tf.reshape(tf.cast(t, dtype), [-1]) for t in flat], 0)
-    return tf.math.is_finite(tf.reduce_sum(flat * 0))
+    return tf.reduce_sum(flat * 0)
 
 
 # A progress bar alone (no callback) is drawn by a host thread (see `Notifier.watch`), so

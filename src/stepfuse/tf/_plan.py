@@ -90,9 +90,72 @@ def _is_xla_error(e: BaseException) -> bool:
     )
 
 
+def _slope(t1: float, tm: float, m: int) -> float:
+    """Seconds a step from calls of 1 and of ``m`` steps (the call's own cost aside)."""
+    return t1 if m == 1 else max(tm - t1, 0.0) / (m - 1)
+
+
+def timed(run: Any, steps: int, limit: int) -> dict[str, Any]:
+    """The plan from timing both paths: ``run(xla, m)`` runs a call of ``m`` steps on one
+    path and returns its seconds, the state put back after it (the caller's). ``steps``:
+    the call length to decide for (the fit's ``steps``); ``limit``: the most steps one
+    trial call may run."""
+    try:
+        run(True, 1)  # (compiles)
+    except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as e:
+        if not _is_xla_error(e):
+            raise
+        first = str(e).splitlines()[0][:300]
+        return {
+            "xla": False,
+            "reason": f"jit_compile='auto': XLA cannot compile the loop ({first})",
+        }
+    one: dict[bool, float] = {True: min(run(True, 1), run(True, 1))}  # the best call of 1 step
+    # m: the fit's `steps`, or as many as a call of about _TRIAL_SECONDS runs
+    m, many = 1, {True: one[True]}  # the best call of m steps
+    while m < limit and many[True] < _TRIAL_SECONDS:
+        m = min(limit, 8 * m)
+        many[True] = run(True, m)
+    per_step = {True: _slope(one[True], many[True], m)}
+    if 1e6 * per_step[True] < _XLA_SURE_US:
+        plan: dict[str, Any] = {
+            "xla": True,
+            "reason": f"jit_compile='auto': the XLA loop ran a step in "
+            f"{1e6 * per_step[True]:.1f} us (calls of 1 and {m} steps), under the "
+            f"{_XLA_SURE_US:.0f} us a step that a loop of TensorFlow's kernels costs in "
+            "dispatch alone",
+        }
+    else:
+        run(False, 1)  # (traces)
+        one[False] = min(run(False, 1), run(False, 1))
+        many[False] = one[False] if m == 1 else run(False, m)
+        for r in range(_TRIAL_ROUNDS - 1):
+            for flag in (True, False) if r % 2 else (False, True):
+                one[flag] = min(one[flag], run(flag, 1))
+                if m > 1:
+                    many[flag] = min(many[flag], run(flag, m))
+        per_step = {k: _slope(one[k], many[k], m) for k in (True, False)}
+        # what a call of the fit's `steps` costs each way
+        call = {k: one[k] + per_step[k] * (steps - 1) for k in (True, False)}
+        xla = call[True] <= call[False]
+        plan = {
+            "xla": xla,
+            "reason": f"jit_compile='auto': {'XLA' if xla else 'TensorFlow kernels'} ran "
+            f"the loop faster on this batch: a call of {steps} step(s) "
+            f"{1e3 * call[True]:.3g} ms with XLA against {1e3 * call[False]:.3g} ms on "
+            f"TensorFlow's kernels (best of {_TRIAL_ROUNDS} timed calls of 1 and {m} "
+            "steps each way)",
+        }
+    plan["us_per_step"] = {
+        ("xla" if k else "tf"): round(1e6 * t, 2) for k, t in sorted(per_step.items())
+    }
+    return plan
+
+
 def choose(fit: Any, batch: tuple, tail: tuple) -> None:
-    """Time the fit's loop with XLA and without on ``batch`` (then undo every trial step),
-    and set ``fit.jit_compile`` and ``fit.plan``; the kept program becomes the fit's."""
+    """Time the TF2 fit's loop with XLA and without on ``batch`` (`timed`; every trial
+    step undone), and set ``fit.jit_compile`` and ``fit.plan``; the kept program becomes
+    the fit's."""
     variables = fit._written_variables()
     programs: dict[bool, Any] = {}
     before = fit.compiles
@@ -108,7 +171,6 @@ def choose(fit: Any, batch: tuple, tail: tuple) -> None:
         return programs[flag]
 
     def run(flag: bool, m: int) -> float:
-        """Seconds of a call of ``m`` steps; the state is put back after it."""
         t0 = time.perf_counter()
         try:
             out = fit._call(program(flag), (tf.constant(m, tf.int32),), batch, tail)
@@ -120,47 +182,5 @@ def choose(fit: Any, batch: tuple, tail: tuple) -> None:
 
     with deferred_interrupts():  # the trial's steps are undone before anything else runs
         snapshot = [tf.identity(v.read_value()) for v in variables]
-        timed: dict[bool, float] = {}
-        try:
-            run(True, 1)  # (compiles)
-        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as e:
-            if not _is_xla_error(e):
-                raise
-            first = str(e).splitlines()[0][:300]
-            plan = {
-                "xla": False,
-                "reason": f"jit_compile='auto': XLA cannot compile the loop ({first})",
-            }
-        else:
-            one = run(True, 1)
-            m = max(1, min(limit, int(_TRIAL_SECONDS / max(one, 1e-9))))
-            timed[True] = run(True, m) / m
-            if 1e6 * timed[True] < _XLA_SURE_US:
-                plan = {
-                    "xla": True,
-                    "reason": f"jit_compile='auto': the XLA loop ran a step in "
-                    f"{1e6 * timed[True]:.1f} us (timed on {m} steps), under the "
-                    f"{_XLA_SURE_US:.0f} us that a loop of TensorFlow's kernels costs in "
-                    "dispatch alone",
-                }
-            else:
-                run(False, 1)  # (traces)
-                run(False, 1)
-                timed[False] = float("inf")
-                for r in range(_TRIAL_ROUNDS):
-                    for flag in (True, False) if r % 2 else (False, True):
-                        timed[flag] = min(timed[flag], run(flag, m) / m)
-                xla = timed[True] <= timed[False]
-                faster = "XLA" if xla else "TensorFlow's kernels"
-                plan = {
-                    "xla": xla,
-                    "reason": f"jit_compile='auto': {faster} ran the loop faster on this batch "
-                    f"(best of {_TRIAL_ROUNDS} timed calls of {m} steps each: XLA "
-                    f"{1e6 * timed[True]:.1f} us a step, TensorFlow's kernels "
-                    f"{1e6 * timed[False]:.1f} us)",
-                }
-        if timed:
-            plan["us_per_step"] = {
-                ("xla" if k else "tf"): round(1e6 * t, 2) for k, t in sorted(timed.items())
-            }
+        plan = timed(run, fit.opts.steps, limit)
     fit._adopt(plan, programs.get(bool(plan["xla"])), before)

@@ -29,10 +29,7 @@ class Stepwise:
     _evaluate: Any
     _callback_error: BaseException | None
 
-    def _loss_and_grads(self, batch: Any) -> Any:  # pragma: no cover - the Fit's
-        raise NotImplementedError
-
-    def _apply_checked(self, loss: Any, grads: Any) -> Any:  # pragma: no cover - the Fit's
+    def _propose(self, batch: Any) -> Any:  # pragma: no cover - the Fit's
         raise NotImplementedError
 
     def _xla_or_plain(
@@ -42,8 +39,7 @@ class Stepwise:
 
     def _propose_py(self, *batch):
         held = [v.read_value() for v in self._held]
-        loss, grads = self._loss_and_grads(batch)
-        snapshot, new, finite = self._apply_checked(loss, grads)
+        loss, snapshot, new, finite = self._propose(batch)
         with tf.control_dependencies(new):
             for v, old in zip(self._state, snapshot):
                 v.assign(old)

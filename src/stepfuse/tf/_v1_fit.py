@@ -3,12 +3,23 @@ a run reads its results."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import tensorflow as tf
 
-from .._core import Notifier, Options, Trace, check_steps, finish, host_trace, run_stepwise
+from .._core import (
+    Notifier,
+    Options,
+    Trace,
+    check_steps,
+    deferred_interrupts,
+    finish,
+    host_trace,
+    run_stepwise,
+)
 from ._checks import _fail
+from ._plan import timed
 from ._v1_loop import read_tail
 
 __all__ = ["Fit", "Fused", "Stepwise"]
@@ -34,6 +45,9 @@ class Fit:
         ``data``, on entry 0 of the stack, or on the minibatch of step ``counter`` of an
         ``Epochs``).
       var_list, state: the trained variables; those plus the optimizer's variables.
+      plan: how the loop runs and why, ``{"xla": bool, "reason": str}`` (with
+        ``"us_per_step": {"xla": ..., "tf": ...}`` where a trial timed them); ``"xla":
+        None`` while a ``jit_compile="auto"`` fit has not decided (`Fused.decide`).
     """
 
     mode: str
@@ -48,6 +62,10 @@ class Fit:
     optimizer: Any
     streams: Any = None
     evaluation: Any = None
+    plan: dict[str, Any] = {
+        "xla": False,
+        "reason": "stepwise mode: one step per sess.run, without XLA",
+    }
 
     def __init__(self, **kw: Any):
         self.__dict__.update(kw)
@@ -96,6 +114,40 @@ class Fused(Fit):
     evals: Any = None
     eval_steps: Any = None
     eval_buffers: Any = None  # what `run` fetches beside `packed` with eval_fn
+    plan: dict[str, Any]
+    direct: dict[bool, list]  # by XLA flag: what `run` fetches (packed, eval buffers)
+    trial: dict[bool, Any] | None = None  # jit_compile="auto": each loop's one-call program
+    shadow: Any = None  # jit_compile="auto": `_v1_loop.Shadow`
+
+    def decide(self, sess: Any, feed_dict: dict | None = None, steps: int | None = None) -> dict:
+        """With ``jit_compile="auto"``, time the XLA loop against TensorFlow's kernels on
+        this feed (each trial run undone) and keep the faster for every later run, bare
+        ``sess.run(train_op)`` included; the first `run` calls it. Returns ``plan``."""
+        if self.plan["xla"] is not None or self.trial is None:
+            return self.plan
+        feed = dict(feed_dict or {})
+        if steps is not None:
+            n = _check_run_steps(steps, self.max_steps)
+        elif self.steps in feed:
+            n = int(feed[self.steps])
+        else:
+            n = int(sess.run(self.steps, feed))
+        trial, shadow = self.trial, self.shadow
+
+        def run(flag: bool, m: int) -> float:
+            t0 = time.perf_counter()
+            try:
+                sess.run(trial[flag], {**feed, self.steps: m})
+                return time.perf_counter() - t0
+            finally:
+                sess.run(shadow.load)
+
+        with deferred_interrupts():  # every trial run is undone before anything else runs
+            sess.run(shadow.save)
+            plan = timed(run, n, min(n, self.chunk))
+            sess.run(shadow.choose, {shadow.pick: int(plan["xla"])})
+        self.plan, self.jit_compile = plan, bool(plan["xla"])
+        return plan
 
     def run(self, sess: Any, feed_dict: dict | None = None, steps: int | None = None) -> Trace:
         """Run the loop once in ``sess`` and return the host `stepfuse.Trace` (with
@@ -112,8 +164,11 @@ class Fused(Fit):
             n = _check_run_steps(steps, self.max_steps)
             if self.max_steps is None or n != self.opts.steps:  # a feed costs time each run
                 feed[self.steps] = n
+        if self.plan["xla"] is None:  # jit_compile="auto": the first run times both loops
+            self.decide(sess, feed)
         # One fetch (and the evaluations' buffers): each fetched tensor costs sess.run time.
-        fetches = self.packed if self.eval_buffers is None else [self.packed, *self.eval_buffers]
+        direct = self.direct[bool(self.plan["xla"])]
+        fetches = direct[0] if self.eval_buffers is None else direct
         if not self.opts.notify:
             out = sess.run(fetches, feed)
         else:

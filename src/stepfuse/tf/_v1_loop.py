@@ -22,7 +22,33 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["Carry", "read_tail", "tail", "tail_size"]
+__all__ = ["Carry", "Shadow", "read_tail", "tail", "tail_size"]
+
+tf1 = tf.compat.v1
+
+
+class Shadow:
+    """Copies of the variables a run writes, so that a trial run (``jit_compile="auto"``:
+    `stepfuse.tf.v1.Fused.decide`) can be undone: ``save`` copies them, ``load`` puts
+    them back; ``choose`` (fed ``pick``) sets the ``choice`` variable. The copies are local
+    variables (a ``Saver`` of the global ones leaves them out) that ``save`` initialises."""
+
+    def __init__(self, variables: list[Any], choice: Any) -> None:
+        with tf1.name_scope("stepfuse_trial"):
+            copies = [
+                tf1.Variable(
+                    tf.zeros(v.shape, v.dtype.base_dtype),
+                    trainable=False,
+                    collections=[tf1.GraphKeys.LOCAL_VARIABLES],
+                    use_resource=True,
+                    name="copy",
+                )
+                for v in variables
+            ]
+            self.save = tf.group(*[c.assign(v.read_value()) for c, v in zip(copies, variables)])
+            self.load = tf.group(*[v.assign(c.read_value()) for c, v in zip(copies, variables)])
+            self.pick = tf1.placeholder(tf.int32, [], name="pick")
+            self.choose = choice.assign(self.pick)
 
 
 class Carry:

@@ -17,8 +17,9 @@ import tensorflow as tf
 
 from .._core import Options, ceil_div, check_int, check_options
 from .._core.options import shared_doc_of
-from ._checks import _check_jit_compile, _fail
+from ._checks import _fail
 from ._loop import Buffers, _inner_loop, _outer_loop
+from ._plan import AUTO, check_jit_compile, given
 from ._v1_data import V1Data, _resource_variable
 from ._v1_eval import V1Eval
 from ._v1_fit import Fit, Fused, Stepwise
@@ -31,7 +32,7 @@ from ._v1_graph import (
     _variable_reads,
     _warn_stale_hyper_parameters,
 )
-from ._v1_loop import Carry, tail, tail_size
+from ._v1_loop import Carry, Shadow, tail, tail_size
 
 __all__ = ["fuse", "Fit", "Fused", "Stepwise", "copies_train_op"]
 
@@ -54,7 +55,7 @@ def fuse(
     tol: float | None = None,
     record_every: int = 1,
     mode: str = "fused",
-    jit_compile: bool = True,
+    jit_compile: bool | str = "auto",
     chunk: int | None = None,
     on_nonfinite: str = "stop",
     global_step: Any = None,
@@ -91,9 +92,14 @@ def fuse(
       var_list: the variables to train; ``None`` means the graph's trainable variables
         that the loss reads (as ``optimizer.minimize``: another model's are left alone).
       {options}
-      jit_compile: XLA-compile the step loop (default; much faster per step than a plain
-        graph loop on CPU: docs/internals/tf.md). An op XLA can't compile makes the first
-        ``sess.run`` fail with an XLA error: rebuild with ``jit_compile=False``.
+      jit_compile: ``"auto"`` (default; ``None`` too): the graph holds the loop both
+        XLA-compiled and on TensorFlow's kernels, and the first ``fused.run`` (or
+        ``fused.decide(sess, feed_dict)``) times both on its feed, undoing every trial step,
+        and keeps the faster (``fused.plan`` says which and why); until then a bare
+        ``sess.run(fused.train_op)`` runs the XLA loop. ``True`` XLA-compiles the step loop
+        (much faster per step than a plain graph loop on small models:
+        docs/internals/tf.md); an op XLA can't compile makes the first ``sess.run`` fail
+        with an XLA error: rebuild with ``jit_compile=False``. ``False``: without XLA.
       global_step: an integer variable incremented by each applied update, as with
         ``optimizer.minimize(loss, global_step=...)`` (not by a refused one). A learning
         rate that decays with it must be given as a callable, e.g. ``learning_rate=lambda:
@@ -145,7 +151,9 @@ def fuse(
       ...     losses, _ = sess.run([fused.losses, fused.train_op], {x: xs, y: ys})  # 3 steps
     """
     steps_given = steps
-    _check_jit_compile(jit_compile)
+    jit_compile = check_jit_compile(jit_compile)
+    auto = jit_compile == AUTO
+    flags = (True, False) if auto else (bool(jit_compile),)  # the loops the graph holds
     tensor_steps = isinstance(steps, (tf.Tensor, tf.Variable))
     if tensor_steps:
         if not steps.dtype.base_dtype.is_integer or (steps.shape.rank not in (None, 0)):
@@ -271,13 +279,11 @@ def fuse(
     def pack(ints):
         return tf.cast(ints, tf.float64) if wide else tf.bitcast(ints, tf.float32)
 
-    def launch(m, i0, prev):
+    def launch(m, i0, prev, xla):
         """At most ``m`` steps: `_inner_loop`'s results, then the fit's step after them
         and the evaluation buffers (count first) where the fit has them."""
         if carry is None:
-            out = _inner_loop(
-                lambda: guarded([]), m, i0, prev, opts, cap, xla=jit_compile, dtype=dtype
-            )
+            out = _inner_loop(lambda: guarded([]), m, i0, prev, opts, cap, xla=xla, dtype=dtype)
             return (*out, None, ())
         *out, held = _inner_loop(
             lambda held: carry.step(held, guarded),
@@ -286,26 +292,49 @@ def fuse(
             prev,
             opts,
             cap,
-            xla=jit_compile,
+            xla=xla,
             dtype=dtype,
             carry=carry.start(i0),
         )
         _, t, evals = carry.end(held)  # (the writes run: this is a tf.function)
         return (*out, t, evals)
 
-    def inner_py(m, i0, prev):
-        *out, _, evals = launch(m, i0, prev)
+    def inner_py(m, i0, prev, xla):
+        *out, _, evals = launch(m, i0, prev, xla)
         return (*out, *evals)
 
-    def whole_run_py(m):
+    def whole_run_py(m, xla):
         """All of a run in one call, whose first output is `packed`: no graph op after it
         (then the evaluation buffers, with eval_fn)."""
         buf, count, _, applied, stop, _, t, evals = launch(
-            m, tf.constant(0, tf.int32), tf.constant(math.nan, tf.float64)
+            m, tf.constant(0, tf.int32), tf.constant(math.nan, tf.float64), xla
         )
         ints = tail(count, applied, stop, t, evals[0] if evals else None)
         packed = tf.concat([buf, pack(ints)], 0)
         return packed if evaluation is None else (packed, *evals[1:])
+
+    def whole_runs():
+        """The one-call program of each loop the graph holds, by XLA flag."""
+        return {
+            f: tf.function(lambda m, f=f: whole_run_py(m, f), jit_compile=f, autograph=False)
+            for f in flags
+        }
+
+    # "auto": which loop runs, set by `Fused.decide` (1: XLA, 0: TensorFlow's kernels);
+    # until a run decides, the XLA loop. `shadow` keeps the state a trial run changes.
+    shadow = choice = None
+    if auto:
+        choice = _resource_variable(tf.constant(1, tf.int32), "stepfuse_xla")
+        written = [*state, *([counter] if counter is not None else [])]
+        if streams is not None and streams.order is not None:
+            written += [streams.order, streams.order_epoch]
+        shadow = Shadow(written, choice)
+
+    def chosen(run_each):
+        """``run_each(xla)`` of the chosen loop: a ``tf.cond`` on ``choice`` for "auto"."""
+        if choice is None:
+            return run_each(flags[0])
+        return tf.cond(choice.read_value() > 0, lambda: run_each(True), lambda: run_each(False))
 
     notes: dict[str, Any] = {
         "error": None,
@@ -329,7 +358,18 @@ def fuse(
     # (only the reads: a run of the loop alone does not pay for the forward pass).
     with tf1.name_scope("stepfuse_loop"), tf.control_dependencies(_variable_reads(loss0)):
         if chained:
-            inner = tf.function(inner_py, jit_compile=bool(jit_compile), autograph=False)
+            inners = {
+                f: tf.function(
+                    lambda m, i0, prev, f=f: inner_py(m, i0, prev, f),
+                    jit_compile=f,
+                    autograph=False,
+                )
+                for f in flags
+            }
+
+            def inner(m, i0, prev):
+                return chosen(lambda f: inners[f](m, i0, prev))
+
             positive = tf.debugging.Assert(
                 n >= 1,
                 ["stepfuse.tf.v1: the `steps` tensor must be at least 1 in each run. Got:", n],
@@ -355,6 +395,11 @@ def fuse(
             )
             packed = tf.concat([losses, pack(ints)], 0, name="packed")
             buffers = fetched = evals
+            direct = {f: [packed, *fetched] for f in flags}
+            if auto:  # the trial's programs: one call of each loop, as an unchained run
+                whole_run = whole_runs()
+                with tf.control_dependencies([positive]):
+                    trial = {f: whole_run[f](n) for f in flags}
         else:
             # At most `chunk` steps per run and no graph loop around the call: less per
             # sess.run, about what the one-step graph of the seed costs (docs/internals/tf.md).
@@ -367,12 +412,14 @@ def fuse(
                     n,
                 ],
             )
-            whole_run = tf.function(whole_run_py, jit_compile=bool(jit_compile), autograph=False)
+            whole_run = whole_runs()
             # `run` fetches the call's own output, packed inside the call: cheaper than
             # fetching four tensors, or one packed by graph ops after it (docs/internals/tf.md).
             with tf.control_dependencies([fits]):
-                out = whole_run(n)
+                out = chosen(lambda f: whole_run[f](n))
+                trial = {f: whole_run[f](n) for f in flags} if auto else {flags[0]: out}
             packed, *fetched = [out] if evaluation is None else out
+            direct = {f: [t] if evaluation is None else list(t) for f, t in trial.items()}
             ints = tf.cast(packed[-k:], tf.int32) if wide else tf.bitcast(packed[-k:], tf.int32)
             count, applied, stop = tf.unstack(ints if k == 3 else ints[:3], num=3)
             losses = packed[:count]
@@ -391,6 +438,10 @@ def fuse(
         opts=opts,
         optimizer=optimizer,
         jit_compile=bool(jit_compile),
+        plan=given(jit_compile),
+        direct=direct,
+        trial=trial if auto else None,
+        shadow=shadow,
         chunk=chunk,
         step=0,
         counter=counter,
