@@ -48,6 +48,7 @@ from .._core import (
     shared_doc,
 )
 from . import _cuda, _data, _program
+from ._draws import check_draws
 from ._probe import (
     BatchError,
     Resolved,
@@ -55,7 +56,6 @@ from ._probe import (
     build_failure,
     check_arguments,
     check_clip,
-    check_draws,
     check_params_unchanged,
     find_modules,
     hold_buffers,
