@@ -125,6 +125,8 @@ def resolve(
             f"{type(optimizer).__name__} has no fused update rule here (supported: "
             f"{', '.join(SUPPORTED_OPTIMIZERS)})."
         )
+    if rule.cpu_only and any(p.device.type != "cpu" for p in params):
+        return rule.cpu_only
     unhandled = sorted(set(optimizer.defaults) - HANDLED[type(optimizer)] - set(IGNORED_GROUP_KEYS))
     if unhandled:
         return (

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._rules import held as _held
 from ._rules import placeholder as _placeholder
 
 __all__ = ["StateLayout", "all_finite", "host_loss", "put_back", "restore", "snapshot"]
@@ -121,6 +122,7 @@ class StateLayout:
             for _g, sl, keys in self.groups()
             for p in self.params[sl]
             for k in keys
+            if _held(self.optimizer, k, p)
         )
 
     def tensors(self, placeholder: bool) -> list[torch.Tensor]:
@@ -131,7 +133,9 @@ class StateLayout:
             for k in keys:
                 for p in self.params[sl]:
                     v = self.optimizer.state[p].get(k) if p in self.optimizer.state else None
-                    if v is None:
+                    if not _held(self.optimizer, k, p):  # a key this parameter never has
+                        v = _placeholder(self.optimizer, k, p, g)  # (empty: Adafactor's)
+                    elif v is None:
                         if not placeholder:
                             raise RuntimeError("optimizer state missing")
                         # shaped, typed and placed as torch creates it (0-dim `step`, ASGD's
@@ -151,7 +155,9 @@ class StateLayout:
                 for k in keys:
                     for p in self.params[sl]:
                         cur = self.optimizer.state[p]
-                        if isinstance(cur.get(k), torch.Tensor):
+                        if not _held(self.optimizer, k, p):
+                            pass
+                        elif isinstance(cur.get(k), torch.Tensor):
                             cur[k].copy_(states[i])
                         else:
                             like = _placeholder(self.optimizer, k, p, g)
