@@ -119,7 +119,7 @@ def _kernel(
     return [*new_p, *rows, *cols, *variance, *steps_out]
 
 
-def _fake(params, grads, row_vars, col_vars, variances, steps, *args):  # noqa: ANN001
+def _fake(params, grads, row_vars, col_vars, variances, steps, *args):
     return [torch.empty_like(t) for t in (*params, *row_vars, *col_vars, *variances, *steps)]
 
 

@@ -30,7 +30,9 @@ above, ``matmul``), so the program draws its mask as eager torch does too.
 `exact_draws` installs both in ``torch.nn.functional`` while the fused program is traced
 and called: ``nn.Dropout``, ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer``
 look them up there. Everything else (CUDA tensors, evaluation, ``p`` of 0 or 1, tensor
-subclasses, arguments the kernels above do not take) goes to torch's own function.
+subclasses, arguments the kernels above do not take) goes to torch's own function. Run
+eagerly, both equal torch's functions bit for bit (values, gradients, random state), so
+eager code that another thread runs meanwhile is not changed either.
 
 `check_draws` runs each new program's first step against an eager step from the same
 state: a random op that the program still draws otherwise (another operation, another

@@ -27,6 +27,7 @@ from ._state import put_back
 
 __all__ = [
     "BatchError",
+    "batch_signature",
     "Probed",
     "Resolved",
     "Trainable",
@@ -285,13 +286,21 @@ class _RandomOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def batch_signature(batch: tuple) -> tuple:
+    """What a probe of ``loss_fn`` on ``batch`` holds for (shapes, dtypes, devices)."""
+    return tuple(
+        (tuple(b.shape), b.dtype, b.device) if isinstance(b, torch.Tensor) else repr(b)
+        for b in batch
+    )
+
+
 class Probed(NamedTuple):
     """What one forward and backward of ``loss_fn`` on a batch showed."""
 
     dtype: torch.dtype
     """The loss's dtype."""
-    unused: int
-    """Optimizer parameters without a gradient on this batch."""
+    unused: tuple[bool, ...]
+    """Per parameter probed: whether it has no gradient on this batch."""
     draws: bool
     """Whether the forward drew random numbers (dropout)."""
     random_ops: tuple[str, ...] = ()
@@ -345,8 +354,8 @@ def probe_loss(
 
 def _check_loss(
     loss_fn: Callable[..., Any], params: Sequence[torch.Tensor], batch: tuple
-) -> tuple[torch.dtype, int]:
-    """``(loss dtype, parameters without a gradient)`` of one forward and backward."""
+) -> tuple[torch.dtype, tuple[bool, ...]]:
+    """``(loss dtype, per parameter: no gradient)`` of one forward and backward."""
     with torch.enable_grad():
         try:
             loss = loss_fn(*batch)
@@ -394,7 +403,7 @@ def _check_loss(
                 "Compute the loss from the model whose parameters the optimizer holds.",
             )
         grads = torch.autograd.grad(loss, params, allow_unused=True)
-    return loss.dtype, sum(g is None for g in grads)
+    return loss.dtype, tuple(g is None for g in grads)
 
 
 def transient(error: BaseException | None) -> bool:
@@ -415,11 +424,12 @@ def transient(error: BaseException | None) -> bool:
 
 class Trainable:
     """The optimizer as the fused program updates it: each group with only its parameters
-    that require grad. torch.optim skips a frozen parameter (no gradient: no update, no
+    that require grad and are not in ``unused`` (ids of those the batch's loss leaves
+    without a gradient). torch.optim skips a parameter without a gradient (no update, no
     state, no weight decay); the program leaves it out (a constant of the loss)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self.optimizer = optimizer
+    def __init__(self, optimizer: torch.optim.Optimizer, unused: frozenset[int] = frozenset()):
+        self.optimizer, self.unused = optimizer, unused
 
     def __getattr__(self, name: str) -> Any:  # anything else: the optimizer's own
         return getattr(self.optimizer, name)
@@ -431,7 +441,10 @@ class Trainable:
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return [
-            {**g, "params": [p for p in g["params"] if p.requires_grad]}
+            {
+                **g,
+                "params": [p for p in g["params"] if p.requires_grad and id(p) not in self.unused],
+            }
             for g in self.optimizer.param_groups
         ]
 

@@ -94,12 +94,13 @@ class StateLayout:
     """The optimizer state of ``params`` flattened in the order (group, key, parameter).
 
     ``keys_of(group)`` names the state keys of a group (the update rule's, `Rule.keys`).
-    Read from the optimizer as it is now at every call, so a changed group is seen.
+    Read from the optimizer as it is now at every call, so a changed group is seen;
+    ``optimizer`` may be a view of one (`stepfuse.torch._probe.Trainable`).
     """
 
     def __init__(
         self,
-        optimizer: torch.optim.Optimizer,
+        optimizer: Any,
         params: Sequence[torch.Tensor],
         keys_of: Callable[[dict], tuple[str, ...]],
     ):
