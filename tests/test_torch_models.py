@@ -1,10 +1,11 @@
 """Real torch models fused: each equals the plain ``zero_grad / backward / step`` loop.
 
 A small model zoo (CNN with BatchNorm2d and dropout, a BatchNorm1d MLP with a frozen
-layer, LSTM, GRU, an embedding with a TransformerEncoderLayer, tied weights), each fused
-over two calls of three steps against six plain steps under the same ``torch.manual_seed``:
-losses, parameters, buffers (running statistics, ``num_batches_tracked``) and the
-optimizer state. Gradient clipping runs inside the loop as ``clip_grad_norm_`` /
+layer, LSTM, GRU, an embedding with a TransformerEncoderLayer with dropout, tied weights),
+each fused over two calls of three steps against six plain steps under the same
+``torch.manual_seed``: losses, parameters, buffers (running statistics,
+``num_batches_tracked``) and the optimizer state; dropout must draw the plain loop's
+masks (attention's too). Gradient clipping runs inside the loop as ``clip_grad_norm_`` /
 ``clip_grad_value_`` between ``backward()`` and ``step()``.
 
 Compiles: one program per fit below (tiny shapes); fits are shared across assertions.
@@ -355,6 +356,55 @@ def test_every_attention_path_with_dropout_equals_the_plain_loop_and_eval_stays_
     )
     np.testing.assert_allclose(evals, ref_evals, rtol=RTOL, atol=ATOL)
     assert_same_training(got, want)
+
+
+def _outputs_grads_and_rng(fn, inputs):
+    """``fn(*inputs)``, the gradients of a weighted sum of it, and the random state after."""
+    xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    torch.manual_seed(7)
+    out = fn(*xs)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    (out * weights).sum().backward()
+    return [out.detach(), *(x.grad for x in xs if x.grad is not None), torch.get_rng_state()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_programs_dropout_and_attention_are_torchs_own_bit_for_bit_eagerly(dtype):
+    """What the program runs for F.dropout and F.scaled_dot_product_attention with dropout
+    (`stepfuse.torch._draws`) equals torch's own functions eagerly, bit for bit: values,
+    gradients and the random state after, over input layouts and masks (p = 0.15 is one
+    where native_dropout's own scaling differs in the last bit)."""
+    from stepfuse.torch import _draws
+
+    torch.manual_seed(0)
+    layouts = [
+        torch.randn(3, 4, 5, dtype=dtype),
+        torch.randn(5, 3, 4, dtype=dtype).transpose(0, 1),
+        torch.randn(3, 4, 10, dtype=dtype)[..., ::2],
+        torch.randn(2, 3, 4, 5, dtype=dtype).to(memory_format=torch.channels_last),
+    ]
+    for p in (0.15, 0.5):
+        for x in layouts:
+            got = _outputs_grads_and_rng(lambda x: _draws.eager_dropout(x, p), [x])
+            want = _outputs_grads_and_rng(lambda x: F.dropout(x, p), [x])
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (p, x.stride())
+    q, k, v = (torch.randn(2, 2, n, 4, dtype=dtype) for n in (3, 5, 5))
+    masks = {
+        "none": {},
+        "bool": dict(attn_mask=torch.rand(3, 5) > 0.3),
+        "additive": dict(attn_mask=torch.randn(2, 1, 3, 5, dtype=dtype)),
+        "causal": dict(is_causal=True),
+        "scale": dict(scale=0.3),
+    }
+    for name, kw in masks.items():
+        got = _outputs_grads_and_rng(
+            lambda q, k, v: _draws.eager_attention(q, k, v, dropout_p=0.15, **kw), [q, k, v]
+        )
+        want = _outputs_grads_and_rng(
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.15, **kw),
+            [q, k, v],
+        )
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), name
 
 
 def test_a_draw_the_program_cannot_match_falls_back_naming_the_op(monkeypatch):
