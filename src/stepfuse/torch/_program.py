@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils import _pytree
 
 from .._core import Flow, ceil_div, loop
+from ._draws import exact_draws
 from ._ops import TORCH
 
 __all__ = [
@@ -297,7 +298,8 @@ def run_program(
     t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
     # Without autograd around it: parameters the optimizer does not hold may require grad,
     # and the loop must not be recorded for a backward (torch.func.grad still works inside).
-    with torch.no_grad(), traceable(rnn):
+    # Dropout draws the plain loop's masks (`stepfuse.torch._draws`).
+    with torch.no_grad(), traceable(rnn), exact_draws():
         return program(
             t(n),
             t(i0),
