@@ -77,7 +77,7 @@ def run_pair(calls, **options):
 
 
 def compare(out):
-    (fd, td, sd, _), (f1, t1, s1, _) = out[True], out[False]
+    (fd, td, sd, _), (_f1, t1, s1, _) = out[True], out[False]
     return {
         "mode": fd.mode,
         "plan_xla": fd.plan["xla"],
