@@ -66,12 +66,13 @@ def gap(a, b):
 
 
 def run_pair(calls, **options):
-    """The same calls on a 2-replica fit and on a one-device fit: their traces and states."""
+    """The same calls on a 2-replica fit and on a one-device fit: their traces and states
+    (``calls`` may be a function making them, for arguments a fit consumes: iterators)."""
     out = {}
     for distributed in (True, False):
         model, optimizer = model_and_optimizer(distributed)
         fit = sf.fuse(loss_of(model), optimizer, model, **options)
-        traces = [fit(*args, **kw) for args, kw in calls]
+        traces = [fit(*args, **kw) for args, kw in (calls() if callable(calls) else calls)]
         out[distributed] = (fit, traces, state(model, optimizer), model)
     return out
 
@@ -105,9 +106,9 @@ def main() -> None:
     ys = RNG.integers(0, 3, (4, 6)).astype("int32")
     results["batches"] = compare(run_pair([((sfc.Batches(xs, ys),), {"steps": 4})], steps=4))
 
-    dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(4).repeat()
+    dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(4, drop_remainder=True).repeat()
     results["iterator"] = compare(
-        run_pair([((iter(dataset),), {}), ((iter(dataset),), {"steps": 2})], steps=5)
+        run_pair(lambda: [((iter(dataset),), {}), ((iter(dataset),), {"steps": 2})], steps=5)
     )
 
     notes = {True: [], False: []}
@@ -181,6 +182,19 @@ def main() -> None:
         results["uneven"] = {"error": None}
     except ValueError as e:
         results["uneven"] = {
+            "error": str(e),
+            "unchanged": gap(before, state(model, optimizer)),
+            "fit_step": fit.step,
+        }
+    # a tf.data batch of unknown rows (no drop_remainder): refused, naming the fix
+    model, optimizer = model_and_optimizer(True)
+    fit = sf.fuse(loss_of(model), optimizer, model, steps=3)
+    loose = tf.data.Dataset.from_tensor_slices((X, Y)).batch(4).repeat()
+    try:
+        fit(iter(loose))
+        results["unknown_rows"] = {"error": None}
+    except ValueError as e:
+        results["unknown_rows"] = {
             "error": str(e),
             "unchanged": gap(before, state(model, optimizer)),
             "fit_step": fit.step,

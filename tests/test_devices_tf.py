@@ -76,6 +76,13 @@ def test_a_batch_the_replicas_cannot_split_is_refused_before_anything_runs(
     assert row["unchanged"] == 0.0 and row["fit_step"] == 0
 
 
+def test_a_dataset_of_unknown_rows_is_refused_naming_drop_remainder(results: dict) -> None:
+    row = results["unknown_rows"]
+    assert row["error"] is not None, "a batch of unknown rows ran over 2 replicas"
+    assert "unknown number of rows" in row["error"] and "drop_remainder=True" in row["error"]
+    assert row["fit_step"] == 0
+
+
 def test_an_optimizer_from_outside_the_scope_is_refused(results: dict) -> None:
     error = results["optimizer_outside"]["error"]
     assert error is not None and "`optimizer`" in error and "scope()" in error

@@ -86,6 +86,12 @@ def split(backend):
     return out
 
 
+def _loop_of(fit) -> object:
+    """Which compiled loop a fit runs (its ``plan``'s choice of XLA, where it has one)."""
+    plan = getattr(fit, "plan", None)
+    return plan.get("xla") if isinstance(plan, dict) else None
+
+
 def test_split_calls_equal_the_stepwise_steps(split, backend):
     assert_fused(split.fused.fit)
     for trace in split.split:
@@ -94,7 +100,10 @@ def test_split_calls_equal_the_stepwise_steps(split, backend):
     assert abs(split.split[0].loss[0] - math.log(2)) > 1e-3  # the MLP, not the seed
     assert_close(concat(split.split), split.ref_first.loss, what="losses")
     assert_same_point(split.at_12, split.ref_at_12, what="after 3 x 4 steps")
-    if backend in BITWISE_FUSED:  # == one fused call of 12, bit for bit
+    # == one fused call of 12, bit for bit, where both fits run the same loop: a fit left to
+    # choose its loop by timing (TF's jit_compile="auto") may pick XLA in one and
+    # TensorFlow's kernels in the other, whose results differ by rounding.
+    if backend in BITWISE_FUSED and _loop_of(split.fused.fit) == _loop_of(split.single_fit):
         assert_fused(split.single_fit)
         assert (split.single.steps, split.single.stop) == (12, Stop.STEPS), split.single
         assert_close(concat(split.split), split.single.loss, 0, 0, what="losses")

@@ -166,10 +166,13 @@ class Streams:
 
     def step_rows(self, structure: Any, flat: Any) -> list[tuple[str, int | None]]:
         """``(what, leading size)`` of each tensor a step's minibatch holds (None for a
-        scalar): what a strategy splits over its replicas (`_distribute.check_split`)."""
+        scalar, -1 where unknown): what a strategy splits over its replicas
+        (`_distribute.check_split`)."""
 
         def lead(shape: Any) -> int | None:
-            return None if len(shape) == 0 or shape[0] is None else int(shape[0])
+            if len(shape) == 0:
+                return None
+            return -1 if shape[0] is None else int(shape[0])
 
         if not (isinstance(structure, tuple) and structure[:1] == (_TAG,)):
             return [(f"batch tensor {i}", lead(t.shape)) for i, t in enumerate(flat)]

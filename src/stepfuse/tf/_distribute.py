@@ -79,8 +79,16 @@ def xla_refused(strategy: Any) -> str:
 
 def check_split(rows: list[tuple[str, int | None]], replicas: int, strategy: Any) -> None:
     """A named error unless every tensor of a step's minibatch splits evenly over the
-    replicas: ``rows`` is ``(what, leading size)`` for each (None: a scalar)."""
+    replicas: ``rows`` is ``(what, leading size)`` for each (None: a scalar, -1: unknown)."""
     for what, n in rows:
+        if n == -1:
+            raise _ArgValueError(
+                f"`batch` must split evenly over the {replicas} replicas of "
+                f"{type(strategy).__name__}; {what} has an unknown number of rows a step "
+                "(its element_spec's leading dimension is None). Batch the dataset with a "
+                f"fixed size, e.g. `dataset.batch({2 * replicas}, drop_remainder=True)`, so "
+                "that every step's rows split evenly."
+            )
         if n is None or n % replicas:
             got = "is a scalar (no rows to split)" if n is None else f"has {n} rows a step"
             raise _ArgValueError(
