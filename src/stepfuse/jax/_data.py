@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._core import fail
 from .._core.data import Batches, Epochs, FunctionInts, IntOps, Slot, epoch_keys, feed_of
 
 __all__ = ["JAX_INTS", "Streams", "epoch_order", "host_pick", "prepare"]
@@ -67,9 +68,34 @@ def _batches_of(_: None, children: Sequence[Any]) -> Batches:
     return b
 
 
-def _epochs_of(aux: tuple[int, int, bool, int], children: Sequence[Any]) -> Epochs:
-    rows, batch_size, shuffle, seed = aux
+def _layouts(arrays: Sequence[Any]) -> Any:
+    """Per array of a dataset, its `NamedSharding` where it is placed over several devices
+    (else None); None when no array is. Tracers have none: a dataset's layout is read
+    where its arrays are concrete, in the call (or the user's transform) that flattens it."""
+    out = tuple(
+        s
+        if not _is_tracer(a)
+        and isinstance(s := getattr(a, "sharding", None), jax.sharding.NamedSharding)
+        and len(s.device_set) > 1
+        else None
+        for a in arrays
+    )
+    return out if any(s is not None for s in out) else None
+
+
+def _epochs_aux(e: Epochs) -> tuple:
+    layouts = getattr(e, "layouts", None) or _layouts(e.arrays)
+    return (e.rows, e.batch_size, e.shuffle, e.seed, layouts)
+
+
+def _epochs_of(aux: tuple, children: Sequence[Any]) -> Epochs:
+    rows, batch_size, shuffle, seed, layouts = aux
     e = object.__new__(Epochs)
+    # The dataset's shardings, kept while the fit's program traces it (its arrays are
+    # tracers then): each step's minibatch is laid out as its dataset (`Streams.pick`).
+    # None inside a user's transform (`prepare`), where the outer arrays' shardings
+    # need not describe the arrays the call sees (shard_map, vmap).
+    e.layouts = layouts  # type: ignore[attr-defined]
     e.arrays = tuple(children)
     # Beneath vmap over the dataset the arrays are one model's: their rows, not the stack's.
     e.rows = _leading(children, rows)
@@ -80,9 +106,7 @@ def _epochs_of(aux: tuple[int, int, bool, int], children: Sequence[Any]) -> Epoc
 
 
 jax.tree_util.register_pytree_node(Batches, lambda b: (b.arrays, None), _batches_of)
-jax.tree_util.register_pytree_node(
-    Epochs, lambda e: (e.arrays, (e.rows, e.batch_size, e.shuffle, e.seed)), _epochs_of
-)
+jax.tree_util.register_pytree_node(Epochs, lambda e: (e.arrays, _epochs_aux(e)), _epochs_of)
 
 
 # -- a call's arguments, on the host ------------------------------------------------------
@@ -112,10 +136,42 @@ def prepare(batch: tuple, n: int) -> tuple:
         elif isinstance(b, Epochs):
             Epochs(*b.arrays, batch_size=b.batch_size, shuffle=b.shuffle, seed=b.seed)
             if not any(map(_is_tracer, b.arrays)):
-                b = _epochs_of((b.rows, b.batch_size, b.shuffle, b.seed), b.placed(("jax",), _put))
+                b = _epochs_of(_epochs_aux(b), b.placed(("jax",), _put))
+                check_split(b)
+            else:  # inside a user's transform (shard_map: one device's rows): XLA's layout
+                b = _epochs_of((*_epochs_aux(b)[:4], None), b.arrays)
         out.append(b)
     feed_of(out).check_steps(n)
     return tuple(out)
+
+
+def check_split(e: Epochs) -> None:
+    """Raise a ValueError naming ``batch_size`` when a dataset split over several devices
+    along its rows cannot split each minibatch the same way (its rows must then be a
+    multiple of the devices, as they are for the dataset)."""
+    for a, s in zip(e.arrays, getattr(e, "layouts", None) or ()):
+        if s is None or not np.ndim(a):
+            continue
+        parts = int(a.shape[0]) // int(s.shard_shape(a.shape)[0])
+        if parts > 1 and e.batch_size % parts:
+            axes = s.spec[0] if len(s.spec) else None
+            fail(
+                ValueError,
+                "batch_size",
+                e.batch_size,
+                f"a multiple of the {parts} devices the Epochs dataset's rows are split over "
+                f"(NamedSharding along mesh axis {axes!r}), so that each step's minibatch is "
+                "split over them as the dataset is",
+                f"Pass a batch_size that is a multiple of {parts}, e.g. "
+                f"{max(parts, e.batch_size - e.batch_size % parts)}, or place the dataset "
+                "along a mesh axis whose size divides the batch_size.",
+            )
+
+
+def _constrained(a: Any, layout: Any) -> Any:
+    """``a`` (a minibatch) laid out as its dataset is, where the dataset is placed over
+    several devices."""
+    return a if layout is None else jax.lax.with_sharding_constraint(a, layout)
 
 
 def host_pick(batch: tuple, i: int, t: int, orders: dict[Any, np.ndarray]) -> tuple:
@@ -225,9 +281,11 @@ class Streams:
                 lo = (t % s.steps_per_epoch) * s.batch_size
                 if s.shuffle:
                     rows = jax.lax.dynamic_slice_in_dim(next(perms), lo, s.batch_size)
-                    out.extend(a.at[rows].get(mode="promise_in_bounds") for a in b.arrays)
+                    picked = [a.at[rows].get(mode="promise_in_bounds") for a in b.arrays]
                 else:
-                    out.extend(jax.lax.dynamic_slice_in_dim(a, lo, s.batch_size) for a in b.arrays)
+                    picked = [jax.lax.dynamic_slice_in_dim(a, lo, s.batch_size) for a in b.arrays]
+                layouts = getattr(b, "layouts", None) or (None,) * len(picked)
+                out.extend(map(_constrained, picked, layouts))
         return tuple(out)
 
     def sample(self, batch: tuple) -> tuple:

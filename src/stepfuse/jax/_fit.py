@@ -41,7 +41,7 @@ from ._checks import (
 )
 from ._eval import Evaluation, host_eval_trace, traced_eval_trace
 from ._state import FitState
-from ._step import Proposal, propose
+from ._step import Proposal, plan, propose
 from ._transforms import inside_a_trace, spans_devices, wants_reverse_mode
 
 __all__ = ["Fit", "FitState"]
@@ -89,6 +89,7 @@ class Fit:
         self._notifier: Notifier | None = None
         self._errors = CallbackErrors()  # a notification's exception, re-raised by `__call__`
         self._ints: dict[int, jax.Array] = {}  # see `_int32`
+        self._flags: dict[bool, jax.Array] = {}  # see `_flag`
         self._fused = jax.jit(
             self._run, static_argnames=("scan_steps", "host_id", "pack", "rebuild"), **jit_options
         )
@@ -204,17 +205,25 @@ class Fit:
                 eval_args,
                 m,
                 period,
+                self._flag(False, traced),
                 scan_steps=scan_steps,
                 host_id=host_id,
                 pack=not traced,
                 rebuild=traced,
             )
-            buf, applied, stop = _program.unpack(out)
+            buf, applied, stop, again = _program.unpack(out)
+            seconds = time.perf_counter() - t0
+            if not traced and again and self._errors.error is None:
+                # A value the loop checks lazily went NaN/inf (`_probe.Plan`): the same
+                # program runs the call again checking every step, to find the first bad
+                # one (a notification's error is raised first, as the call stands).
+                state, out, aux, evals = self._checked(start, batch, eval_args, m, period, host_id)
+                buf, applied, stop, again = _program.unpack(out)
             if notify and not traced:  # the host calls happen during the program: wait for it
                 done = int(applied)
                 assert self._notifier is not None
                 self._notifier.done(done)
-                self._seconds_per_step = (time.perf_counter() - t0) / max(done, 1)
+                self._seconds_per_step = seconds / max(done, 1)
         self._errors.reraise()
         if not traced and scan_steps is None and int(stop) == Stop.NONFINITE:
             state = self._rebuild(start, batch, eval_args, int(applied), period, host_id)
@@ -238,6 +247,7 @@ class Fit:
         eval_batch: tuple,
         n: jax.Array,
         period: jax.Array,
+        exact: Any = False,
         *,
         scan_steps: int | None = None,
         host_id: int | None = None,
@@ -271,6 +281,7 @@ class Fit:
             rebuild=rebuild,
             evaluation=evaluation,
             eval_batch=eval_batch,
+            exact=exact,
         )
 
     def _evaluation(self, params: Any, model_state: Any, eval_batch: tuple) -> Evaluation | None:
@@ -308,12 +319,44 @@ class Fit:
                 eval_batch,
                 self._int32(good),
                 period,
+                self._flag(False),
                 scan_steps=None,
                 host_id=host_id,
                 pack=True,
                 rebuild=False,
             )
             return jax.block_until_ready(new)  # its host calls happen while it runs
+        finally:
+            self._muted = False
+
+    def _checked(
+        self,
+        state: FitState,
+        batch: tuple,
+        eval_batch: tuple,
+        n: Any,
+        period: Any,
+        host_id: int | None,
+    ) -> tuple:
+        """The call from ``state`` run again with every step's values all checked
+        (``exact``), its notifications muted (the first run sent them up to the last
+        step it had checked): what `_program.run` returns. The same compiled program, so
+        the same values bit for bit, up to the first non-finite step, where it stops."""
+        self._muted = True
+        try:
+            out = self._fused(
+                state,
+                batch,
+                eval_batch,
+                n,
+                period,
+                self._flag(True),
+                scan_steps=None,
+                host_id=host_id,
+                pack=True,
+                rebuild=False,
+            )
+            return jax.block_until_ready(out)  # its host calls happen while it runs
         finally:
             self._muted = False
 
@@ -330,6 +373,7 @@ class Fit:
                 check_eval_batch(eval_batch, self.opts.eval_fn),
                 n,
                 self._period(False),
+                self._flag(False),
                 scan_steps=None,
                 host_id=None,
                 pack=True,
@@ -354,6 +398,17 @@ class Fit:
             with jax.ensure_compile_time_eval():
                 array = self._ints[value] = jnp.asarray(value, jnp.int32)
         return array
+
+    def _flag(self, value: bool, traced: bool = False) -> Any:
+        """A bool argument of the program, on the device and kept (as `_int32`); a NumPy
+        one where the call is traced."""
+        if traced:
+            return np.bool_(value)
+        flag = self._flags.get(value)
+        if flag is None:
+            with jax.ensure_compile_time_eval():
+                flag = self._flags[value] = jnp.asarray(value, jnp.bool_)
+        return flag
 
     def _period(self, notify: bool) -> np.int32:
         """Steps between the loop's host calls: `every`, or for a bar alone a multiple of
@@ -434,7 +489,10 @@ class Fit:
         loss = Loss(
             self.loss_fn, self.has_aux, loss_params(params), batch, self.has_state, model_state
         )
-        return propose(self.optimizer, loss, params, opt_state, batch, None, model_state)
+        # the fused loop's finite check at every step: the same values read, so that XLA
+        # fuses the step alike (bit for bit the same results)
+        checks = plan(self.optimizer, loss, params, opt_state, batch, model_state, lazy=False)
+        return propose(self.optimizer, loss, params, opt_state, batch, None, model_state, checks)
 
     def _one_evaluation(self, params: Any, model_state: Any, eval_batch: tuple) -> dict:
         """The evaluation of the stepwise reference, traced by ``self._evaluate``."""

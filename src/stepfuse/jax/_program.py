@@ -51,9 +51,9 @@ from ._checks import Loss
 from ._data import Streams
 from ._eval import EvalBuffers, Evaluation, evaluate
 from ._ops import OPS, select
-from ._probe import flat_state, held
+from ._probe import Plan, flat_state, held, unseen
 from ._state import FitState
-from ._step import propose
+from ._step import plan, propose
 from ._transforms import varying_like
 
 __all__ = ["CHUNK", "Carry", "run", "unpack"]
@@ -83,6 +83,9 @@ class Carry(NamedTuple):
         without one, not carried).
       evals: the evaluations' buffers (`_eval.EvalBuffers`) with ``eval_fn``; None
         otherwise, and never carried by the steps' own loop (`_Loop.chunk`).
+      exact: with a lazy check (`_probe.Plan`), whether every step checks every value (a
+        bool scalar: the call was asked to, or its state started with a NaN/inf); None
+        otherwise, not carried.
     """
 
     flow: Flow
@@ -94,6 +97,7 @@ class Carry(NamedTuple):
     model_state: Any = None
     feed: Any = None
     evals: EvalBuffers | None = None
+    exact: Any = None
 
 
 class _Loop:
@@ -113,8 +117,10 @@ class _Loop:
         scanned: bool,
         evaluation: Evaluation | None = None,
         eval_batch: tuple = (),
+        exact: Any = None,
     ):
         self.opts, self.k = opts, opts.record_every
+        self.exact = exact  # the call's request to check every value at every step
         self.evaluation, self.eval_batch = evaluation, eval_batch
         # (as an int32: a larger eval_every is never reached by the int32 step count)
         self.eval_every = min(opts.eval_every or 1, 2**31 - 1)
@@ -124,6 +130,7 @@ class _Loop:
         self.size = ceil_div(opts.capacity, CHUNK) * CHUNK  # whole chunks (+1 slot: `Carry.buf`)
         self.keep_loss = opts.tol is not None or (opts.notify and scanned)
         self.met: Met | None = None if opts.tol is None else within_tol(OPS, opts.tol, loss.dtype)
+        self.plan: Plan | None = None  # what the finite check may leave unread (`start`)
 
     def start(self, params: Any, opt_state: Any, model_state: Any) -> Carry:
         nan = jnp.array(jnp.nan, self.loss.dtype)
@@ -137,8 +144,24 @@ class _Loop:
         kept = held(flat_state((opt_state, model_state)))
         feed = self.streams.start(self.step0)
         evals = None if self.evaluation is None else self.evaluation.start(self.opts.eval_capacity)
+        # A lazy check only where the loop can run every step of a call again (not in the
+        # masked scan, whose refused update is never applied).
+        self.plan = plan(
+            self.optimizer,
+            self.loss,
+            params,
+            opt_state,
+            self.streams.sample(self.batch),
+            model_state,
+            lazy=self.exact is not None,
+        )
+        exact = None
+        if self.plan.lazy:
+            # every step checks every value if asked to, or if the state holds a NaN/inf
+            # (an entry kept so: `_probe.nonfinite_probe`)
+            exact = jnp.logical_or(self.exact, jnp.any(jnp.logical_not(jnp.isnan(kept))))
         carry = Carry(
-            flow, params, opt_state, self.fresh_buf(), aux0, kept, model_state, feed, evals
+            flow, params, opt_state, self.fresh_buf(), aux0, kept, model_state, feed, evals, exact
         )
         return varying_like(carry, (params, opt_state, model_state, self.batch))
 
@@ -167,7 +190,15 @@ class _Loop:
             feed = self.streams.refresh(c.feed, t) if refresh else c.feed
             args = self.streams.pick(self.batch, feed, c.flow.i, t)
             value, aux, new_params, new_opt, probe, new_kept, new_state = propose(
-                self.optimizer, self.loss, c.params, c.opt_state, args, c.kept, c.model_state
+                self.optimizer,
+                self.loss,
+                c.params,
+                c.opt_state,
+                args,
+                c.kept,
+                c.model_state,
+                self.plan,
+                None if guarded else c.exact,
             )
             slot = record_slot(c.flow.i, self.k, first, unrecorded, OPS)
             buf = jax.lax.dynamic_update_index_in_dim(c.buf, value, slot, 0)
@@ -178,9 +209,13 @@ class _Loop:
                     ok, (new_params, new_opt, new_state), (c.params, c.opt_state, c.model_state)
                 )
             # Written after the probe has read the old one (it depends on the probe): else
-            # XLA copies it twice a step to update it in place.
-            new_kept = select(ok, new_kept, c.kept)
-            return Carry(flow, new_params, new_opt, buf, aux, new_kept, new_state, feed, c.evals)
+            # XLA copies it twice a step to update it in place. (A lazy check selects it
+            # itself, where it checks every value: `_probe.nonfinite_probe`.)
+            if guarded or self.plan is None or not self.plan.lazy:
+                new_kept = select(ok, new_kept, c.kept)
+            return Carry(
+                flow, new_params, new_opt, buf, aux, new_kept, new_state, feed, c.evals, c.exact
+            )
 
         return body
 
@@ -191,11 +226,25 @@ class _Loop:
             return c.flow.last
         return c.buf[record_slot(c.flow.i - 1, self.k, 0, self.size, OPS)]
 
+    def unseen(self, c: Carry) -> Any:
+        """Whether a value the loop checks lazily holds a NaN/inf (`_probe.unseen`): then
+        some step the loop ran was non-finite, and the call runs again with every step
+        checked (`rebuilt`, `Fit.__call__`). False where every step checks every value."""
+        if c.exact is None:
+            return jnp.bool_(False)
+        return jnp.logical_and(jnp.logical_not(c.exact), unseen(self.plan, c.params, c.opt_state))
+
     def notify(self, before: Carry, c: Carry) -> Carry:
         """Call the host with (step, loss) if the last update reached a multiple of the
-        call's period."""
+        call's period; not after a step whose NaN/inf the loop has not checked yet: the
+        segment checks the lazily checked values first, and stops the loop if they hold
+        one (the call runs again to find the step)."""
         done = applied(OPS, c.flow)
         hit = (done > applied(OPS, before.flow)) & ((self.step0 + done) % self.period == 0)
+        if c.exact is not None:
+            bad = self.unseen(c)
+            hit = hit & jnp.logical_not(bad)
+            c = c._replace(flow=c.flow._replace(probe=jnp.where(bad, jnp.nan, c.flow.probe)))
         # Fire and forget: a callback whose result fed back into the loop would make the
         # device wait on the host. One int32 array (step, hit, the loss's bits): every
         # argument of a host callback has a cost of its own on XLA:CPU, so the values
@@ -287,29 +336,46 @@ class _Loop:
         new = jax.lax.while_loop(lambda c: self.running(c, end), lambda c: self.advance(c, end), c)
         return self.notify(c, new)
 
-    def fused(self, carry: Carry) -> Carry:
-        """The call's steps: chunks, in segments when the loop notifies the host."""
-        step = self.segment if self.opts.notify else lambda c: self.advance(c, self.n)
-        return jax.lax.while_loop(lambda c: self.running(c, self.n), step, carry)
+    def fused(self, carry: Carry, n: Any = None, notify: bool = True) -> Carry:
+        """The call's steps (``n``: the call's), chunks, in segments when the loop
+        notifies the host (``notify=False``: never)."""
+        n = self.n if n is None else n
+        if self.opts.notify and notify:
+            step = self.segment
+        else:
+            step = lambda c: self.advance(c, n)  # noqa: E731
+        return jax.lax.while_loop(lambda c: self.running(c, n), step, carry)
 
     def rebuilt(self, carry: Carry, out: Carry) -> Carry:
-        """``out`` with the state before its refused update, if any: `Fit._rebuild` inside
-        the program, for a call traced by a user's transform (under vmap both branches
-        run: no step for the models that need none)."""
-        bad = refused(OPS, out.flow)
-        good = jnp.where(bad, applied(OPS, out.flow), 0)
+        """``out`` as `Fit.__call__` makes it on the host, inside the program: for a call
+        traced by a user's transform.
 
-        def redo(good: Any) -> tuple[Any, Any, Any]:
-            again = carry._replace(buf=varying_like(self.fresh_buf(), carry), evals=None)
-            again = jax.lax.while_loop(
-                lambda a: a.flow.i < good, lambda a: self.chunk(a, good), again
+        Two passes of one loop over the call's steps from its start (one more copy of
+        the step in the program, whatever happened): if a lazily checked value went
+        non-finite (`unseen`), the call again with every step checked (its notifications
+        were sent already), which stops at the first bad step; then, after a refused
+        update, the state before it (`Fit._rebuild`). Under vmap the loop runs while any
+        model needs a pass, no step for the others.
+        """
+        first = jnp.where(self.unseen(out), 0, jnp.where(refused(OPS, out.flow), 1, 2))
+        fresh = carry._replace(buf=varying_like(self.fresh_buf(), carry))
+        if fresh.exact is not None:
+            fresh = fresh._replace(exact=jnp.ones_like(fresh.exact))
+
+        def one_pass(state: tuple[Any, Carry]) -> tuple[Any, Carry]:
+            stage, res = state
+            n = jnp.where(stage == 0, self.n, jnp.where(stage == 1, applied(OPS, res.flow), 0))
+            run = jax.lax.while_loop(
+                lambda c: self.running(c, n), lambda c: self.advance(c, n), fresh
             )
-            return again.params, again.opt_state, again.model_state
+            kept = res._replace(
+                params=run.params, opt_state=run.opt_state, model_state=run.model_state
+            )
+            new = select(stage == 0, run, kept)
+            after = jnp.where(stage == 0, jnp.where(refused(OPS, run.flow), 1, 2), 2)
+            return after, new
 
-        params, opt_state, model_state = jax.lax.cond(
-            bad, redo, lambda _: (out.params, out.opt_state, out.model_state), good
-        )
-        return out._replace(params=params, opt_state=opt_state, model_state=model_state)
+        return jax.lax.while_loop(lambda s: s[0] < 2, one_pass, (first, out))[1]
 
     def scanned(self, carry: Carry, length: int) -> Carry:
         """Reverse-differentiable: ``length`` iterations, those past the call's end or its
@@ -328,18 +394,20 @@ class _Loop:
         done = applied(OPS, out.flow)
         stop = stop_code(OPS, out.flow, self.met)
         state = FitState(out.params, out.opt_state, self.step0 + done, out.model_state)
+        again = OPS.to_int(self.unseen(out))
         ints = INT_OF.get(np.dtype(out.buf.dtype))
         if pack and ints is not None:
-            # For the host: the losses' bits, then applied and stop, as one integer array
-            # (each array read back is a transfer of its own).
-            counts = jnp.stack([done, jnp.int32(stop)]).astype(ints)
+            # For the host: the losses' bits, then applied, stop and whether the call must
+            # run again checking every step, as one integer array (each array read back
+            # is a transfer of its own).
+            counts = jnp.stack([done, jnp.int32(stop), again]).astype(ints)
             return (
                 state,
                 jnp.concatenate([jax.lax.bitcast_convert_type(out.buf, ints), counts]),
                 out.aux,
                 out.evals,
             )
-        return state, (out.buf, done, stop), out.aux, out.evals
+        return state, (out.buf, done, stop, again), out.aux, out.evals
 
 
 def run(
@@ -358,15 +426,20 @@ def run(
     rebuild: bool,
     evaluation: Evaluation | None = None,
     eval_batch: tuple = (),
+    exact: Any = False,
 ) -> tuple[FitState, Any, Any, Any]:
     """The fused program of a call of ``n`` steps from ``state``, traced: ``(state, out,
-    aux, evals)``, ``out`` the losses' bits then applied and the stop code as one integer
-    array (``pack``), else ``(losses, applied, stop)``; ``evals`` the `_eval.EvalBuffers`
-    of ``evaluation`` (``eval_fn`` traced for ``eval_batch``), None without one.
+    aux, evals)``, ``out`` the losses' bits then applied, the stop code and whether a
+    lazily checked value went non-finite (the call must run again with ``exact``) as one
+    integer array (``pack``), else ``(losses, applied, stop, again)``; ``evals`` the
+    `_eval.EvalBuffers` of ``evaluation`` (``eval_fn`` traced for ``eval_batch``), None
+    without one.
 
     ``scan_steps``: run the masked scan of that many iterations; ``host_id``: notify
     through stepfuse's FFI target (else ``jax.debug.callback`` to ``dispatch``);
-    ``rebuild``: rebuild the state before a refused update inside the program.
+    ``rebuild``: rebuild the state before a refused update inside the program (and run
+    the call again where it must); ``exact`` (a bool, traced): check every value at every
+    step (`_probe.Plan`).
     """
     loop = _Loop(
         opts,
@@ -381,6 +454,7 @@ def run(
         scan_steps is not None,
         evaluation,
         eval_batch,
+        None if scan_steps is not None else exact,
     )
     carry = loop.start(state.params, state.opt_state, state.model_state)
     if scan_steps is not None:
@@ -392,12 +466,12 @@ def run(
     return loop.result(out, pack)
 
 
-def unpack(out: Any) -> tuple[Any, Any, Any]:
-    """``(losses, applied, stop)`` from what `run` returned: read back to the host in one
-    transfer when packed."""
+def unpack(out: Any) -> tuple[Any, Any, Any, Any]:
+    """``(losses, applied, stop, again)`` from what `run` returned: read back to the host
+    in one transfer when packed."""
     if isinstance(out, tuple):
         return out
     out = np.asarray(out)
-    buf = out[:-2].view(np.float32 if out.dtype == np.int32 else FLOAT_OF[out.dtype])
-    applied, stop = out[-2:].tolist()
-    return buf, applied, stop
+    buf = out[:-3].view(np.float32 if out.dtype == np.int32 else FLOAT_OF[out.dtype])
+    applied, stop, again = out[-3:].tolist()
+    return buf, applied, stop, again

@@ -8,12 +8,14 @@ import inspect
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from ._checks import Loss, check_opt_state, loss_params
-from ._probe import flat_state, held, nonfinite_probe
+from ._probe import SMALL, Plan, flat_state, held, nonfinite_probe
+from ._strict import strict_inputs
 
-__all__ = ["Proposal", "extra_args", "propose", "update"]
+__all__ = ["Proposal", "extra_args", "plan", "propose", "update"]
 
 Proposal = tuple[Any, Any, Any, Any, Any, Any, Any]
 """``(loss, aux, new_params, new_opt_state, probe, kept, new_model_state)`` (see
@@ -93,6 +95,75 @@ def update(
                 del extra[k]
 
 
+def _apply(
+    optimizer: optax.GradientTransformation,
+    loss: Loss,
+    batch: tuple,
+    model_state: Any,
+) -> Any:
+    """``(value, grads, opt_state, params) -> (new_params, new_opt_state)``: optax's update
+    with its extra arguments, applied as `propose` applies it."""
+
+    def apply(value: Any, grads: Any, opt_state: Any, params: Any) -> tuple[Any, Any]:
+        extra = extra_args(optimizer, loss, value, grads, batch, model_state, opt_state)
+        updates, new_opt = update(optimizer, grads, opt_state, params, extra)
+        new_params = optax.apply_updates(params, updates)
+        new_params = jax.tree_util.tree_map(lambda n, p: n.astype(p.dtype), new_params, params)
+        return new_params, new_opt
+
+    return apply
+
+
+def _float(x: Any) -> bool:
+    return bool(jnp.issubdtype(jnp.result_type(x), jnp.inexact))
+
+
+def plan(
+    optimizer: optax.GradientTransformation,
+    loss: Loss,
+    params: Any,
+    opt_state: Any,
+    batch: tuple,
+    model_state: Any = None,
+    lazy: bool = True,
+) -> Plan:
+    """What a step's finite check may leave unread (`_probe.Plan`), from the strictness
+    analysis of the update (`_strict.strict_inputs`) for these shapes: a gradient leaf
+    that a new parameter is strict in; and where ``lazy`` and the step's values exceed
+    `_probe.SMALL` entries, the values that stay non-finite from step to step (a
+    parameter, or a state leaf strict in itself) and the gradient leaves one of them is
+    strict in."""
+    check_opt_state(optimizer, params, opt_state)
+    value = jnp.zeros((), loss.dtype)
+    grads = loss_params(params)  # the gradient's shapes and dtypes
+    args = (value, grads, opt_state, params)
+    strict = strict_inputs(_apply(optimizer, loss, batch, model_state), *args)
+    leaves = [jax.tree_util.tree_leaves(a) for a in args]
+    start = [sum(map(len, leaves[:i])) for i in range(4)]  # each argument's first leaf
+    n_params = len(leaves[3])
+    new_params, new_state = strict[:n_params], strict[n_params:]
+    g_at = [start[1] + j for j, g in enumerate(leaves[1]) if _float(g)]
+    s_at = [j for j, s in enumerate(leaves[2]) if _float(s)]
+    in_params = frozenset().union(*new_params)
+    grads_now = tuple(g not in in_params for g in g_at)
+    params_kept = [start[3] + j in new_params[j] for j in range(n_params)]
+    state_kept = [start[2] + j in new_state[j] for j in s_at]
+    kept_by = frozenset().union(
+        *(s for s, k in zip(new_params, params_kept) if k),
+        *(new_state[j] for j, k in zip(s_at, state_kept) if k),
+    )
+    size = sum(int(x.size) for x in jax.tree_util.tree_leaves((grads, params, opt_state)))
+    if not lazy or size <= SMALL or not (any(params_kept) or any(state_kept)):
+        return Plan(grads_now)
+    return Plan(
+        grads_now,
+        lazy=True,
+        lazy_grads=tuple(g not in kept_by for g in g_at),
+        lazy_params=tuple(not k for k in params_kept),
+        lazy_state=tuple(not k for k in state_kept),
+    )
+
+
 def propose(
     optimizer: optax.GradientTransformation,
     loss: Loss,
@@ -101,6 +172,8 @@ def propose(
     batch: tuple,
     kept: Any = None,
     model_state: Any = None,
+    checks: Plan | None = None,
+    exact: Any = None,
 ) -> Proposal:
     """One step from ``(params, opt_state, model_state)``, not applied: ``(loss, aux,
     new_params, new_opt_state, probe, kept', new_model_state)`` with the finite ``probe``
@@ -111,16 +184,18 @@ def propose(
     its new value comes out (None without ``has_state``); it is checked with the
     optimizer state, so a step whose model state turns non-finite is refused too.
     ``kept``: the state entries that count as finite while left unchanged, carried by the
-    fused loop; computed here for a single step when None.
+    fused loop; computed here for a single step when None. ``checks`` and ``exact``: what
+    the finite check may leave unread (`_probe.nonfinite_probe`; None: nothing).
     """
     check_opt_state(optimizer, params, opt_state)
     (value, (new_state, aux)), grads = jax.value_and_grad(loss, has_aux=True)(
         loss_params(params), model_state, *batch
     )
-    extra = extra_args(optimizer, loss, value, grads, batch, model_state, opt_state)
-    updates, new_opt = update(optimizer, grads, opt_state, params, extra)
-    new_params = optax.apply_updates(params, updates)
-    new_params = jax.tree_util.tree_map(lambda n, p: n.astype(p.dtype), new_params, params)
+    new_params, new_opt = _apply(optimizer, loss, batch, model_state)(
+        value, grads, opt_state, params
+    )
     kept = held(flat_state((opt_state, model_state))) if kept is None else kept
-    probe, kept = nonfinite_probe((value, grads, new_params), (new_opt, new_state), kept)
+    probe, kept = nonfinite_probe(
+        value, grads, new_params, (new_opt, new_state), kept, checks, exact
+    )
     return value, aux, new_params, new_opt, probe, kept, new_state
