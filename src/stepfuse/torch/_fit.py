@@ -47,7 +47,7 @@ from .._core import (
     run_stepwise,
 )
 from .._core.options import shared_doc_of
-from . import _cuda, _data, _program
+from . import _cuda, _data, _program, _ranks
 from ._draws import check_draws
 from ._probe import (
     BatchError,
@@ -128,6 +128,7 @@ class Fit:
         self._mask = tuple(True for _ in self._params)
         self._state = self._layout()
         self._needs_closure = needs_closure(optimizer)
+        self._sync: Any = None  # the average over ranks of a call (`_ranks.collective`)
         if self.mode == "fused":
             got = resolve(
                 loss_fn, optimizer, self._rule, self._modules, self._params, model is not None
@@ -186,6 +187,7 @@ class Fit:
             *self._clip,
             self._rnn,
             self._fed.pick,
+            sync=self._sync,
         )
 
     def _compile(self, fn: Callable, kind: str, inductor_options: dict[str, Any]) -> Callable:
@@ -240,7 +242,7 @@ class Fit:
         outside the model (`_probe.transient`) is tried again before the fit falls back; a
         fallback's reason holds the whole error.
         """
-        key = (self._hyper_key(), self._fed.key, self._mask)
+        key = (self._hyper_key(), self._fed.key, self._mask, self._sync and self._sync.key)
         if self._program is not None and self._program_key == key:
             return
         if key in self._captured:
@@ -294,6 +296,7 @@ class Fit:
 
     # -- one call ----------------------------------------------------------------------------
 
+    @_ranks.collective
     def __call__(self, *batch: Any, steps: int | None = None) -> Trace:
         """Run ``steps`` (default: the ``steps`` given to `fuse`) updates on ``batch``.
 
@@ -316,11 +319,14 @@ class Fit:
             if reason is not None:
                 self._fall_back(f"{reason}; pass mode='stepwise' to silence this warning.")
         self._probe(self._fed.at(0))  # a step's own arguments (the first minibatch)
+        _ranks.agree_setup(self, n)  # several ranks: the same call on each (`_ranks`)
         start = self.step
         if self.mode == "fused":
             self._ensure_program()
+        _ranks.agree_mode(self)
         # A fit whose loss draws runs a call fused once its program drew as eagerly.
         eager = self.mode == "stepwise" or not self._draws_verified(self._fed.at(0))
+        eager = _ranks.agree_eager(self, eager)
         try:
             if eager:
                 trace = self._call_stepwise(n, start)
@@ -386,8 +392,12 @@ class Fit:
         with torch.enable_grad():
             for p in self._params:
                 p.grad = None
+            if self._sync is not None:  # several ranks: DDP's broadcast of its buffers
+                self._sync.broadcast_eagerly()
             loss = self.loss_fn(*batch)
             loss.backward()
+        if self._sync is not None:  # several ranks: the gradients averaged over them
+            self._sync.average_eagerly(self._params, loss)
         norm, value = self._clip  # between backward() and step(), as a plain loop clips
         if norm is not None:
             torch.nn.utils.clip_grad_norm_(self._params, norm)

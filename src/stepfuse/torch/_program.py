@@ -120,6 +120,9 @@ class Body(NamedTuple):
     """``pick(batch, i)``: the arguments of ``loss_fn`` at the call's step ``i`` (a 0-dim
     tensor) from the program's ``batch`` (`stepfuse.torch._data.Fed.pick`, data streams);
     None: ``batch`` is the arguments, the same every step."""
+    sync: Any = None
+    """Several ranks: `stepfuse.torch._dist.Sync`, which broadcasts DDP's buffers before
+    each step's forward and averages each step's gradients over the ranks; None: one."""
 
     def carry(self, flat: Sequence[torch.Tensor]) -> Carry:
         """The named view of a flat carry (`Carry.flat` inverted)."""
@@ -183,8 +186,11 @@ class Body(NamedTuple):
                 active = loop.running(TORCH, flow, n, met)
                 ic = i0 + flow.i  # index of this step within the user's call
                 args = batch if self.pick is None else self.pick(batch, ic)
-                grads, (loss, new_b) = grad_and_loss(tuple(ps), tuple(bs), args)
+                fwd = bs if self.sync is None else self.sync.buffers(self, bs)
+                grads, (loss, new_b) = grad_and_loss(tuple(ps), tuple(fwd), args)
                 loss = loss.detach()
+                if self.sync is not None:  # averaged over the ranks, before clipping
+                    grads = self.sync.grads(self, grads, loss)
                 grads = clip_grads(list(grads), self.clip_norm, self.clip_value)
                 new_p = [p.clone() for p in ps]  # torch's update works in place: on copies
                 new_s = [s.clone() for s in ss]
