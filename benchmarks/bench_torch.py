@@ -8,6 +8,8 @@ first call (compile included; compiled programs are reused across N of one size)
 
 Usage:
   python benchmarks/bench_torch.py [--size seed] [--steps 1000 10000] [--json FILE] [--chunk 4]
+
+``--size cnn`` / ``lstm`` take any N (``stepfuse bench`` stops those at its ``MAX_STEPS``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from stepfuse.bench._timing import measure, print_table, write_json  # noqa: E40
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, nargs="+", default=[1000, 10000])
-    ap.add_argument("--size", default="seed", choices=("seed", "mlp", "wide"))
+    ap.add_argument("--size", default="seed", choices=("seed", "mlp", "wide", "cnn", "lstm"))
     ap.add_argument("--chunk", type=int, default=None, help="steps per compiled loop iteration")
     ap.add_argument(
         "--eager-steps",

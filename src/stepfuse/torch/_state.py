@@ -92,8 +92,10 @@ def _values(t: torch.Tensor) -> torch.Tensor:
 class StateLayout:
     """The optimizer state of ``params`` flattened in the order (group, key, parameter).
 
-    ``keys_of(group)`` names the state keys of a group (the update rule's, `Rule.keys`).
-    Read from the optimizer as it is now at every call, so a changed group is seen.
+    ``params`` are the optimizer's parameters that require grad, in its order (torch.optim
+    skips the others: no state, no update); ``keys_of(group)`` names the state keys of a
+    group (the update rule's, `Rule.keys`). Read from the optimizer as it is now at every
+    call, so a changed group is seen.
     """
 
     def __init__(
@@ -105,10 +107,12 @@ class StateLayout:
         self.optimizer, self.params, self.keys_of = optimizer, params, keys_of
 
     def groups(self) -> list[tuple[dict, slice, tuple[str, ...]]]:
-        """[(group, slice of params, keys)] for the optimizer as it is now."""
+        """[(group, slice of params, keys)] for the optimizer as it is now (each group as
+        torch.optim holds it: its hyper-parameters; ``params[slice]`` are its parameters
+        that require grad)."""
         out, start = [], 0
         for g in self.optimizer.param_groups:
-            n = len(g["params"])
+            n = sum(1 for p in g["params"] if p.requires_grad)
             out.append((g, slice(start, start + n), self.keys_of(g)))
             start += n
         return out
