@@ -116,6 +116,7 @@ class Fit:
         self._loss_dtype = torch.float32
         self._program: Any = None
         self._nans: dict[tuple, torch.Tensor] = {}
+        self._submodules: list[nn.Module] | None = None  # `_training`
         self._program_key: tuple | None = None
         self._captured: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
         self._fed = _data.Fed((), torch.device("cpu"), 0, 0)  # the call's arguments (`__call__`)
@@ -285,7 +286,9 @@ class Fit:
 
     def _training(self) -> tuple[bool, ...]:
         """The modules' training flags (a program is traced in one mode: dropout, BatchNorm)."""
-        return tuple(m.training for top in self._modules for m in top.modules())
+        if self._submodules is None:  # the modules as the first program was built for
+            self._submodules = [m for top in self._modules for m in top.modules()]
+        return tuple(m.training for m in self._submodules)
 
     def _hyper_key(self) -> tuple:
         """Every group's hyper-parameters (compiled into the fused program)."""
@@ -500,8 +503,10 @@ class Fit:
                                 "now runs stepwise."
                             )
             note.done(self.step - start)
-        loss = np.concatenate(losses) if losses else np.zeros(0, np.float32)
-        return host_trace(loss, self.step - start, stop, re)
+        loss = (
+            losses[0] if len(losses) == 1 else np.concatenate(losses or [np.zeros(0, np.float32)])
+        )
+        return host_trace(loss, self.step - start, stop, re)  # a copy of what it keeps
 
     def __repr__(self) -> str:
         return (

@@ -350,9 +350,13 @@ class Program:
     body, the modules and the optimizer's hyper-parameters, tens of microseconds a call
     on the seed) is left out. What the guards would check is what a program is built
     for (`stepfuse.torch.Fit` builds one per hyper-parameters, batch signature, set of
-    trainable parameters and the modules' training flags); a graph whose inputs are not
-    all the program's arguments (a tensor ``loss_fn`` reads from elsewhere) stays on
-    ``torch.compile``'s path.
+    trainable parameters and the modules' training flags), and torch's global state
+    (grad mode, autocast, deterministic algorithms ...: dynamo's own `GlobalStateGuard`,
+    ~0.2 us) is checked at each call: a call in another state takes ``torch.compile``'s
+    path. A graph whose inputs are not all the program's arguments (a tensor ``loss_fn``
+    reads from elsewhere) stays on that path for good. Plain Python values ``loss_fn``
+    reads (a float in a closure) are compiled in, as the hyper-parameters are: a fit
+    does not see them change (docs/internals/torch.md).
 
     ``ctl`` (``n, i0, base``) is one int64 tensor that every call reuses, written through
     a NumPy view on the CPU (no torch call a segment)."""
@@ -367,6 +371,7 @@ class Program:
         self.direct: Callable | None = None
         self.take: list[int] = []
         self.nslots = -1
+        self.state: Any = None  # torch's global state (grad mode, autocast ...) at `bind`
         self.ctl = torch.zeros(3, dtype=torch.int64, device=device)
         self._ctl = self.ctl.numpy() if device.type == "cpu" else None
 
@@ -389,7 +394,7 @@ class Program:
             self._ctl[0], self._ctl[1], self._ctl[2] = n, i0, base
         else:
             ctl.copy_(torch.tensor([n, i0, base], dtype=torch.int64))
-        if self.direct is not None and nslots == self.nslots:
+        if self.direct is not None and nslots == self.nslots and self.state.check():
             pool = [ctl, prev, *params, *states, *buffers, *_leaves(batch), *self._others()]
             out = self.direct(*[pool[j] for j in self.take])
             return Result(out[0], out[1], self.spec.carry(out[2:]))
@@ -421,6 +426,10 @@ class Program:
         for a, b in zip(out, want):
             if not (isinstance(a, torch.Tensor) and _same(a, b)):
                 return
+        guard = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+        if guard is None or not hasattr(guard, "GlobalStateGuard"):
+            return
+        self.state = guard.GlobalStateGuard()  # a later call in another state: dynamo's path
         self.direct, self.take, self.nslots = compiled, take, nslots
 
 
