@@ -80,6 +80,34 @@ SCRIPTS = {
         params = lambda: [v.numpy() for v in model.trainable_variables]
         call = lambda n: fit(data, steps=n)
     """,
+    "tf1": """
+        import numpy as np, tensorflow as tf
+        import stepfuse as sf, stepfuse.tf.v1 as sf1
+        tf1 = tf.compat.v1
+        tf1.disable_eager_execution()
+
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(8, 3)).astype("float32")
+        y = rng.integers(0, 2, 8).astype("int32")
+        w1 = tf1.get_variable("w1", initializer=rng.normal(size=(3, 4)).astype("float32"))
+        w2 = tf1.get_variable("w2", initializer=rng.normal(size=(4, 2)).astype("float32"))
+
+        def loss_fn(xb, yb):
+            logits = tf.matmul(tf.tanh(tf.matmul(xb, w1)), w2)
+            return tf.reduce_mean(
+                tf.nn.sparse_softmax_cross_entropy_with_logits(labels=yb, logits=logits))
+
+        data = sf.Epochs(x, y, batch_size=2, seed=3)
+        fit = sf1.fuse(loss_fn, tf1.train.AdamOptimizer(1e-2), steps=16, data=data)
+        saver = tf1.train.Saver()  # every variable: the fit's step count and Adam's state too
+        sess = tf1.Session()
+        sess.run(tf1.global_variables_initializer())
+        save = lambda path: saver.save(sess, path + "/fit")
+        restore = lambda path: saver.restore(sess, path + "/fit")
+        params = lambda: sess.run([w1, w2])
+        call = lambda n: fit.run(sess, steps=n)
+        step_count = lambda: sess.run(fit.counter)
+    """,
     "torch": """
         import numpy as np, torch
         import torch.nn.functional as F
@@ -112,7 +140,10 @@ SCRIPTS = {
 RUN = """
 import sys
 run, path = sys.argv[1], sys.argv[2]
-step = lambda: int(state.step) if "state" in globals() else fit.step  # JAX: the FitState's
+def step():  # JAX: the FitState's; TF1: the graph's step count
+    if "step_count" in globals():
+        return int(step_count())
+    return int(state.step) if "state" in globals() else fit.step
 assert fit.mode == "fused", fit.mode
 if run == "first":
     call({K})

@@ -717,28 +717,45 @@ def test_user_hooks_run_stepwise_with_a_warning_as_in_torchs_loop(kind):
 
 def test_parameters_the_loss_does_not_use_are_skipped_as_torch_does():
     """A parameter without a gradient is skipped by torch.optim (no weight decay, no
-    momentum, no state); it was refused in both modes."""
+    momentum, no state, no step): the fused program leaves it out (it ran stepwise
+    before), and a batch that uses it gets a program of its own, whose first step creates
+    its state as torch's does."""
 
     def build():
         torch.manual_seed(0)
-        used, unused = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+        used, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
         opt = torch.optim.SGD(
-            [*used.parameters(), *unused.parameters()], lr=0.1, momentum=0.9, weight_decay=0.1
+            [*used.parameters(), *other.parameters()], lr=0.1, momentum=0.9, weight_decay=0.1
         )
-        return used, unused, opt, lambda x, y: torch.nn.functional.cross_entropy(used(x), y)
 
-    used, unused, opt, loss_fn = build()
-    before = params_of(unused)
-    fit = sf.fuse(loss_fn, opt, steps=4, model=torch.nn.ModuleList([used, unused]))
-    with pytest.warns(RuntimeWarning, match="does not use 2 of the optimizer's 4 parameters"):
-        losses, _ = run_calls(fit)
-    assert fit.mode == "stepwise"
-    r_used, r_unused, r_opt, r_loss = build()
-    np.testing.assert_allclose(losses, _plain(r_used, r_opt, r_loss, sum(CALLS)), rtol=1e-6)
-    assert_close_lists(params_of(used), params_of(r_used))
-    assert_close_lists(params_of(unused), before)
-    assert all(p not in opt.state for p in unused.parameters())
+        def loss_fn(x, y, both):
+            logits = used(x) + other(x) if both else used(x)
+            return torch.nn.functional.cross_entropy(logits, y)
+
+        return used, other, opt, loss_fn
+
+    used, other, opt, loss_fn = build()
+    before = params_of(other)
+    fit = sf.fuse(loss_fn, opt, steps=3, model=torch.nn.ModuleList([used, other]), chunk=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback
+        first = np.concatenate([fit(X, Y, False).loss for _ in range(2)])
+        assert_fused(fit)
+        assert fit.compiles == 1
+        assert_close_lists(params_of(other), before, rtol=0, atol=0)
+        assert all(p not in opt.state for p in other.parameters())
+        second = fit(X, Y, True).loss  # now it has a gradient: updated from here on
+    assert_fused(fit)
+    assert fit.compiles == 2
+    r_used, r_other, r_opt, r_loss = build()
+    ref_first = _plain(r_used, r_opt, lambda x, y: r_loss(x, y, False), 6)
+    ref_second = _plain(r_used, r_opt, lambda x, y: r_loss(x, y, True), 3)
+    np.testing.assert_allclose(first, ref_first, rtol=1e-6)
+    np.testing.assert_allclose(second, ref_second, rtol=1e-6)
+    assert_close_lists(params_of(used) + params_of(other), params_of(r_used) + params_of(r_other))
+    assert not np.allclose(params_of(other)[0].numpy(), before[0].numpy())
     assert_same_state(state_of(opt), state_of(r_opt))
+    assert all("momentum_buffer" in opt.state[p] for p in other.parameters())
 
 
 def test_sparse_gradients_of_an_embedding_with_sparse_adam():

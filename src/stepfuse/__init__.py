@@ -8,6 +8,7 @@ The data streams, `Batches` (stacked minibatches) and `Epochs` (a resident datas
 shuffled epoch after epoch), serve every backend.
 """
 
+from ._core import EvalTrace as EvalTrace
 from ._core import NonFiniteError as NonFiniteError
 from ._core import Stop as Stop
 from ._core import Trace as Trace
@@ -16,4 +17,4 @@ from ._core.data import Epochs as Epochs
 
 __version__ = "0.1.0"
 
-__all__ = ["Batches", "Epochs", "NonFiniteError", "Stop", "Trace", "__version__"]
+__all__ = ["Batches", "EvalTrace", "Epochs", "NonFiniteError", "Stop", "Trace", "__version__"]

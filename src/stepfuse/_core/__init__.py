@@ -9,10 +9,20 @@
 - `stepwise`: the stepwise reference loop, the same semantics on the host;
 - `driver`: the host side of a call (notifications, pacing, a callback's error,
   Ctrl-C held back while results are written);
+- `evaluation`: evaluation inside the loop (``eval_fn``, ``eval_every``, `EvalTrace`);
 - `protocol`: what a backend supplies.
 """
 
 from .driver import CallbackErrors, Notifier, deferred_interrupts, next_multiple, paced_every
+from .evaluation import (
+    EvalTrace,
+    check_eval_batch,
+    eval_due,
+    eval_names,
+    eval_values,
+    host_evals,
+    named_evals,
+)
 from .loop import HOST, Flow, Ops
 from .options import (
     OPTIONS_DOC,
@@ -33,6 +43,7 @@ __all__ = [
     "HOST",
     "OPTIONS_DOC",
     "CallbackErrors",
+    "EvalTrace",
     "FitLike",
     "Flow",
     "NonFiniteError",
@@ -48,11 +59,17 @@ __all__ = [
     "check_options",
     "check_steps",
     "check_tol",
+    "check_eval_batch",
     "deferred_interrupts",
+    "eval_due",
+    "eval_names",
+    "eval_values",
     "fail",
     "finish",
+    "host_evals",
     "host_trace",
     "n_recorded",
+    "named_evals",
     "next_multiple",
     "paced_every",
     "run_stepwise",

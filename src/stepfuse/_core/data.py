@@ -117,13 +117,29 @@ def _is_array(a: Any) -> bool:
     return hasattr(a, "shape") and hasattr(a, "dtype") and not isinstance(a, (Batches, Epochs))
 
 
-def _check_arrays(cls: str, arrays: Sequence[Any], what: str) -> int:
-    """The common leading length of ``arrays``, or a ValueError naming the offending one."""
+def _dims(a: Any) -> tuple[Any, ...] | None:
+    """``a``'s shape as a tuple of ints, None where a graph tensor's size is unknown (a TF1
+    placeholder's ``None``); None for a tensor of unknown rank."""
+    shape = a.shape
+    if getattr(shape, "rank", 0) is None:
+        return None
+    return tuple(getattr(d, "value", d) for d in shape)  # (TF1 `Dimension`s hold .value)
+
+
+def _check_arrays(cls: str, arrays: Sequence[Any], what: str, unknown: bool = False) -> int | None:
+    """The common leading length of ``arrays``, or a ValueError naming the offending one.
+
+    ``unknown``: graph tensors whose leading length is only known when they are fed
+    (``Batches`` of TF1 placeholders) are accepted; the known lengths must still agree, and
+    the result is that length (None if none is known): the rest is checked at the call
+    (`Batches.check_fed`).
+    """
     if not arrays:
         raise ValueError(
             f"`{cls}(*arrays)` needs at least one array; got none. Pass the {what}, "
             f"e.g. {cls}(x, y)."
         )
+    lengths: list[int | None] = []
     for j, a in enumerate(arrays):
         if not _is_array(a):
             fail(
@@ -133,19 +149,28 @@ def _check_arrays(cls: str, arrays: Sequence[Any], what: str) -> int:
                 "an array (NumPy, JAX, TensorFlow or torch) with a leading axis",
                 "Convert it first, e.g. np.asarray(data); a stream holds arrays only.",
             )
-        if len(a.shape) == 0:
+        dims = _dims(a)
+        if dims is not None and len(dims) == 0:
             raise ValueError(
                 f"`{cls}(*arrays)[{j}]` must have a leading axis to index; got a scalar "
                 f"array (shape ()). Pass a scalar as a fixed argument of the call instead."
             )
-    lengths = [int(a.shape[0]) for a in arrays]
-    if len(set(lengths)) > 1:
+        lead = None if dims is None else dims[0]
+        if lead is None and not unknown:
+            raise ValueError(
+                f"`{cls}(*arrays)[{j}]` must have a known leading length ({what}); got a "
+                f"graph tensor of shape {a.shape}. Pass NumPy arrays (or tensors of a known "
+                "shape)."
+            )
+        lengths.append(None if lead is None else int(lead))
+    known = [n for n in lengths if n is not None]
+    if len(set(known)) > 1:
         raise ValueError(
             f"`{cls}(*arrays)` must all have the same leading length ({what}); got leading "
-            f"axes {lengths} (shapes {[tuple(a.shape) for a in arrays]}). Cut or pad them to "
+            f"axes {lengths} (shapes {[_dims(a) for a in arrays]}). Cut or pad them to "
             "one length."
         )
-    return lengths[0]
+    return known[0] if known else None
 
 
 def _stack(items: list[Any]) -> Any:
@@ -172,16 +197,39 @@ class Batches:
 
     The leading axis must hold at least the call's ``steps``; each array's other axes are
     one minibatch's. A call passes it where the batch would go (``fit(Batches(xs, ys))``
-    is ``loss_fn(xs[i], ys[i])`` at step ``i``), alone or beside fixed arguments.
+    is ``loss_fn(xs[i], ys[i])`` at step ``i``), alone or beside fixed arguments. Graph
+    tensors whose leading length is known only when fed (TF1 placeholders of shape
+    ``(None, ...)``) are accepted: their lengths are checked at each call (`check_fed`).
 
     Attributes:
       arrays: the stacked arrays, as given.
-      n: the number of minibatches (the common leading length).
+      n: the number of minibatches (the common leading length); None while it is known
+        only from a feed.
     """
 
     def __init__(self, *arrays: Any):
-        self.n: int = _check_arrays("Batches", arrays, "one entry per step")
+        self.n: int | None = _check_arrays("Batches", arrays, "one entry per step", unknown=True)
         self.arrays: tuple[Any, ...] = tuple(arrays)
+
+    def check_fed(self, lengths: Sequence[int | None], steps: int, names: Sequence[str]) -> None:
+        """The check of a call whose arrays' leading lengths are known only now (a TF1
+        feed): ``lengths[j]`` of ``arrays[j]`` (None: not known), named ``names[j]`` in the
+        errors. A ValueError if the known lengths differ or one holds fewer minibatches
+        than the call's ``steps``."""
+        known = [(n, name) for n, name in zip(lengths, names) if n is not None]
+        if len({n for n, _ in known}) > 1:
+            raise ValueError(
+                f"`{known[0][1]}` and the other `Batches` arrays must have the same leading "
+                f"length (one entry per step); got leading axes "
+                f"{dict((name, n) for n, name in known)}. Feed them cut to one length."
+            )
+        for have, name in known:
+            if have < steps:
+                raise ValueError(
+                    f"`{name}` holds {have} stacked minibatches but the call runs {steps} "
+                    f"steps: its leading axis must be at least the call's steps. Pass "
+                    f"steps={have} to the call, or stack {steps} minibatches."
+                )
 
     @classmethod
     def from_iterable(cls, iterable: Iterable[Any], n: int, *, device: Any = None) -> Batches:
@@ -245,7 +293,7 @@ class Batches:
         return cls(*columns)
 
     def __repr__(self) -> str:
-        shapes = ", ".join(str(tuple(a.shape)) for a in self.arrays)
+        shapes = ", ".join(str(_dims(a)) for a in self.arrays)
         return f"Batches({shapes})"
 
 
@@ -284,6 +332,7 @@ class Epochs:
 
     def __init__(self, *arrays: Any, batch_size: int, shuffle: bool = True, seed: int = 0):
         rows = _check_arrays("Epochs", arrays, "one entry per row of the dataset")
+        assert rows is not None  # (an Epochs needs known lengths: refused above)
         if not (isinstance(batch_size, numbers.Integral) and not isinstance(batch_size, bool)):
             fail(
                 TypeError,
@@ -456,7 +505,8 @@ def feed_of(args: Sequence[Any]) -> Feed:
         if isinstance(a, Batches):
             slots.append(Slot("batches", len(a.arrays)))
             arrays.extend(a.arrays)
-            lengths.append(a.n)
+            if a.n is not None:  # (an unknown length is checked at the call: check_fed)
+                lengths.append(a.n)
         elif isinstance(a, Epochs):
             slots.append(
                 Slot("epochs", len(a.arrays), a.batch_size, a.steps_per_epoch, a.shuffle, a.seed)

@@ -45,7 +45,13 @@ on_nonfinite: ``"stop"`` (default) ends the call with ``Stop.NONFINITE``;
   way the refused update is not applied.
 mode: ``"fused"`` (default) runs the steps in one compiled call; ``"stepwise"``
   runs the identical semantics as a plain Python loop of single steps (the
-  reference the fused mode is tested against, and handy for debugging)."""
+  reference the fused mode is tested against, and handy for debugging).
+eval_fn: evaluated on the device, inside the loop, after every update that brings
+  the fit's step count (updates since ``init``) to a multiple of ``eval_every``;
+  returns a scalar or a dict of scalars. Each call passes its arguments as
+  ``eval_batch=(...)``; the results come back as ``trace.eval`` (`EvalTrace`).
+eval_every: how many updates between evaluations (default: ``steps``, once at the
+  end of each full call); only with ``eval_fn``."""
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -117,6 +123,15 @@ class Options:
     progress: bool = False
     on_nonfinite: str = "stop"
     mode: str = "fused"
+    eval_fn: Callable[..., Any] | None = None
+    eval_every: int | None = None
+
+    @property
+    def eval_capacity(self) -> int:
+        """Evaluation slots a call of up to ``steps`` updates needs (0 without ``eval_fn``)."""
+        if self.eval_every is None:
+            return 0
+        return ceil_div(self.steps, self.eval_every)
 
     @property
     def capacity(self) -> int:
@@ -143,8 +158,12 @@ def check_options(
     on_nonfinite: Any = "stop",
     mode: Any = "fused",
     modes: tuple = ("fused", "stepwise"),
+    eval_fn: Any = None,
+    eval_every: Any = None,
 ) -> Options:
     """Validate the shared options of ``fuse``; raises before anything is built."""
+    from .evaluation import check_eval  # evaluation's checks use this module's `fail`
+
     steps = check_steps(steps)
     tol = check_tol(tol)
     record_every = check_int(
@@ -196,7 +215,10 @@ def check_options(
             " or ".join(repr(m) for m in modes),
             'Use mode="fused" for the compiled loop or mode="stepwise" for the reference loop.',
         )
-    return Options(steps, tol, record_every, callback, every, progress, on_nonfinite, mode)
+    eval_fn, eval_every = check_eval(eval_fn, eval_every, steps)
+    return Options(
+        steps, tol, record_every, callback, every, progress, on_nonfinite, mode, eval_fn, eval_every
+    )
 
 
 def check_call_steps(value: Any, opts: Options, *, capped: bool) -> int:

@@ -7,7 +7,12 @@ A backend's ``mode="stepwise"`` supplies two functions and `run_stepwise` runs t
   where ``loss`` is a NumPy scalar (a float64 loss is recorded as float64, any other
   float as float32, as the fused loops record it) and ``finite`` says whether the loss,
   the gradients and the proposed parameters and optimizer state are all finite;
-* ``commit(token)`` applies the proposed update.
+* ``commit(token)`` applies the proposed update;
+
+and, for a fit built with ``eval_fn``, ``evaluate()``, which runs ``eval_fn`` on the call's
+``eval_batch`` at the current parameters and returns what it returned (a scalar or a dict of
+scalars, as NumPy or Python numbers), after each update that brings the fit's step count to
+a multiple of ``eval_every`` (`stepfuse._core.evaluation`).
 
 It moves the same `Flow` with the same functions (`stepfuse._core.loop`) as every
 fused loop, over Python numbers, so fused == stepwise is one definition run two ways.
@@ -22,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from . import loop
+from .evaluation import eval_due, eval_values, host_evals
 from .loop import HOST, Flow
 from .options import Options
 from .trace import NonFiniteError, Stop, Trace, host_trace
@@ -36,11 +42,15 @@ def run_stepwise(
     opts: Options,
     start_step: int,
     notify: Callable[[int, float], None] | None = None,
+    evaluate: Callable[[], Any] | None = None,
 ) -> Trace:
-    """Run ``n`` single steps with the shared semantics; returns the host `Trace`."""
+    """Run ``n`` single steps with the shared semantics; returns the host `Trace`
+    (``evaluate``: the fit's evaluation, run at the steps `eval_due` names)."""
     met = None if opts.tol is None else loop.within_tol(HOST, opts.tol, np.float64)
     losses: list[float] = []
     flow, wide = Flow(0, 0.0, math.nan, math.nan), False
+    eval_steps: list[int] = []
+    eval_series: dict[str, list[Any]] = {}
     while loop.running(HOST, flow, n, met):
         loss, finite, token = propose()
         wide = wide or np.asarray(loss).dtype == np.float64
@@ -52,13 +62,21 @@ def run_stepwise(
             break
         commit(token)
         step = start_step + loop.applied(HOST, flow)
+        if evaluate is not None and opts.eval_every and eval_due(step, opts.eval_every):
+            eval_steps.append(step)
+            for name, v in eval_values(evaluate()).items():
+                eval_series.setdefault(name, []).append(v)
         if notify is not None and step % (opts.every or 1) == 0:
             notify(step, value)
+    evals = None
+    if evaluate is not None:
+        evals = host_evals(eval_steps, eval_series, len(eval_steps))
     return host_trace(
         np.asarray(losses, dtype=np.float64 if wide else np.float32),
         loop.applied(HOST, flow),
         loop.stop_code(HOST, flow, met),
         opts.record_every,
+        evals,
     )
 
 

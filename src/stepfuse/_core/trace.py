@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .evaluation import EvalTrace
 
 __all__ = ["Stop", "Trace", "NonFiniteError", "ceil_div", "host_trace", "n_recorded"]
 
@@ -63,6 +66,8 @@ class Trace:
       steps: the number of updates actually applied in this call.
       stop: why the call ended (a `Stop`).
       record_every: the thinning factor the losses were recorded with.
+      eval: the evaluations run inside the loop (an `EvalTrace`) when the fit was built
+        with ``eval_fn``; None otherwise.
 
     Inside ``jax.jit`` / ``jax.vmap`` the JAX backend returns the same class with
     arrays in every field (``loss`` padded with NaN to the call's capacity).
@@ -72,6 +77,7 @@ class Trace:
     steps: Any
     stop: Any
     record_every: int = 1
+    eval: EvalTrace | None = None
 
     @property
     def index(self) -> np.ndarray:
@@ -87,7 +93,11 @@ class Trace:
     def __repr__(self) -> str:
         stop = self.stop.name if isinstance(self.stop, Stop) else self.stop
         n = np.shape(self.loss)[-1] if np.ndim(self.loss) else 0
-        return f"Trace(steps={self.steps}, stop={stop}, losses recorded={n}, record_every={self.record_every})"
+        evals = "" if self.eval is None else f", evaluations={len(self.eval)}"
+        return (
+            f"Trace(steps={self.steps}, stop={stop}, losses recorded={n}, "
+            f"record_every={self.record_every}{evals})"
+        )
 
 
 def ceil_div(a: Any, b: Any) -> Any:
@@ -100,18 +110,21 @@ def n_recorded(evaluated: int, record_every: int) -> int:
     return ceil_div(evaluated, record_every)
 
 
-def host_trace(losses: Any, steps: Any, stop: Any, record_every: int) -> Trace:
+def host_trace(
+    losses: Any, steps: Any, stop: Any, record_every: int, evals: EvalTrace | None = None
+) -> Trace:
     """Build a host `Trace` from a backend's raw loss buffer and counters.
 
     ``losses`` holds at least the recorded entries; the number kept follows from the
     number of losses evaluated (``steps``, plus the refused one after ``NONFINITE``).
+    ``evals``: the call's evaluations (`stepfuse._core.evaluation.host_evals`), if any.
     """
     steps, stop = int(steps), _STOPS[int(stop)]
     evaluated = steps + (1 if stop == Stop.NONFINITE else 0)
     kept = n_recorded(evaluated, record_every)
     loss = np.asarray(losses)
     loss = loss[:kept].astype(np.float64 if loss.dtype == np.float64 else np.float32)  # a copy
-    return Trace(loss=loss, steps=steps, stop=stop, record_every=record_every)
+    return Trace(loss=loss, steps=steps, stop=stop, record_every=record_every, eval=evals)
 
 
 class NonFiniteError(FloatingPointError):

@@ -13,7 +13,7 @@ loop), `_step` (one proposed step), `_probe` (its finite check), `_checks` (the
 inputs' checks), `_ops` (the shared loop semantics' array functions), `_transforms`
 (what a call learns of the transforms around it), `_host` (the FFI notification path),
 `_state` (`FitState`), `_data` (`stepfuse.Batches` / `stepfuse.Epochs`: their checks and
-each step's minibatch inside the loop).
+each step's minibatch inside the loop), `_eval` (evaluation inside the loop).
 """
 
 from ._fit import Fit as Fit

@@ -22,9 +22,11 @@ from .._core import (
     Stop,
     Trace,
     check_call_steps,
+    check_eval_batch,
     fail,
     finish,
     host_trace,
+    named_evals,
     paced_every,
     run_stepwise,
 )
@@ -37,6 +39,7 @@ from ._checks import (
     check_params,
     loss_params,
 )
+from ._eval import Evaluation, host_eval_trace, traced_eval_trace
 from ._state import FitState
 from ._step import Proposal, propose
 from ._transforms import inside_a_trace, spans_devices, wants_reverse_mode
@@ -58,8 +61,9 @@ class Fit:
       mode: ``"fused"`` or ``"stepwise"``, the mode the fit runs in (JAX has no fallback:
         the ``mode`` given to `fuse`).
       compiles: how many times the fit has traced (and so compiled) its program: the
-        fused program, or in the stepwise mode its one step. One serves every
-        ``steps=n`` up to the built ``steps`` and every batch of the same shapes.
+        fused program, or in the stepwise mode its one step (and its evaluation, with
+        ``eval_fn``). One serves every ``steps=n`` up to the built ``steps`` and every
+        batch and ``eval_batch`` of the same shapes.
       opts: the validated shared options.
     """
 
@@ -92,6 +96,7 @@ class Fit:
         self._seconds_per_step: float | None = None  # the last notifying call's speed
         self._host_id = _host.register(self._from_host) if opts.notify else None
         self._step = jax.jit(self._one_step, **jit_options)
+        self._evaluate = jax.jit(self._one_evaluation, **jit_options)
 
     # -- public ---------------------------------------------------------------------
     def init(self, params: Any, model_state: Any = None) -> FitState:
@@ -124,7 +129,9 @@ class Fit:
         check_lookahead(self.optimizer, params)
         return FitState(params, self.optimizer.init(params), jnp.zeros((), jnp.int32), model_state)
 
-    def __call__(self, state: FitState, *batch: Any, steps: int | None = None) -> tuple:
+    def __call__(
+        self, state: FitState, *batch: Any, steps: int | None = None, eval_batch: Any = None
+    ) -> tuple:
         """Run ``steps`` updates (default: the ``steps`` given to `fuse`) in one call.
 
         Args:
@@ -132,11 +139,15 @@ class Fit:
           *batch: the arguments after ``params`` of ``loss_fn``; passed once per call.
           steps: updates for this call; any value up to the built ``steps`` reuses the
             compiled program.
+          eval_batch: with ``eval_fn``, its arguments after ``params`` (after
+            ``model_state`` with ``has_state``): a tuple is the arguments, any other
+            value one argument, None none. New values of the same shapes reuse the
+            compiled program.
 
         Returns:
-          ``(state, trace)``: the new `FitState` and a `stepfuse.Trace`. With
-          ``has_aux=True``, ``(state, trace, aux)`` where ``aux`` is that of the last
-          evaluated step.
+          ``(state, trace)``: the new `FitState` and a `stepfuse.Trace` (its ``eval`` the
+          evaluations run, with ``eval_fn``). With ``has_aux=True``, ``(state, trace,
+          aux)`` where ``aux`` is that of the last evaluated step.
         """
         if not isinstance(state, FitState):
             raise TypeError(
@@ -144,6 +155,7 @@ class Fit:
                 "Make one with fit.init(params) and pass the state each call returns."
             )
         n = check_call_steps(steps, self.opts, capped=True)  # both modes: one contract
+        eval_args = check_eval_batch(eval_batch, self.opts.eval_fn)
         batch = _data.prepare(batch, n)  # data streams checked, a dataset on the device
         if self.opts.mode == "stepwise":
             if inside_a_trace():
@@ -153,7 +165,7 @@ class Fit:
                     "whether to go on. Call the stepwise fit outside the transform (one call "
                     "per model), or use mode='fused' (the default), which composes with them."
                 )
-            return self._run_stepwise(state, batch, n)
+            return self._run_stepwise(state, batch, n, eval_args)
         leaves = jax.tree_util.tree_leaves((state, batch))
         # Inside a user's transform (also a jax.jit that closes over every input, so that no
         # argument is a tracer): its callbacks go through JAX, which re-raises their errors.
@@ -186,9 +198,10 @@ class Fit:
             if not traced:
                 m, period = self._int32(m), self._int32(period)
             start = state
-            state, out, aux = self._fused(
+            state, out, aux, evals = self._fused(
                 state,
                 batch,
+                eval_args,
                 m,
                 period,
                 scan_steps=scan_steps,
@@ -204,12 +217,14 @@ class Fit:
                 self._seconds_per_step = (time.perf_counter() - t0) / max(done, 1)
         self._errors.reraise()
         if not traced and scan_steps is None and int(stop) == Stop.NONFINITE:
-            state = self._rebuild(start, batch, int(applied), period, host_id)
+            state = self._rebuild(start, batch, eval_args, int(applied), period, host_id)
         k = self.opts.record_every
         if traced or np.ndim(buf) != 1:
-            trace = Trace(buf[..., : self.opts.capacity], applied, stop, k)
+            ev = None if evals is None else traced_eval_trace(evals)
+            trace = Trace(buf[..., : self.opts.capacity], applied, stop, k, ev)
         else:
-            trace = host_trace(np.asarray(buf), applied, stop, k)
+            ev = None if evals is None else host_eval_trace(evals)
+            trace = host_trace(np.asarray(buf), applied, stop, k, ev)
             if self.opts.on_nonfinite == "raise":
                 # error.state: the new one
                 trace = finish(trace, self.opts, int(state.step) - trace.steps, state)
@@ -220,6 +235,7 @@ class Fit:
         self,
         state: FitState,
         batch: tuple,
+        eval_batch: tuple,
         n: jax.Array,
         period: jax.Array,
         *,
@@ -227,7 +243,7 @@ class Fit:
         host_id: int | None = None,
         pack: bool = False,
         rebuild: bool = True,
-    ) -> tuple[FitState, Any, Any]:
+    ) -> tuple[FitState, Any, Any, Any]:
         """The fused program (`_program.run`), traced by ``self._fused``."""
         self.compiles += 1  # Python runs here only while jax.jit traces a new program
         self._check_model_state(state)
@@ -239,6 +255,7 @@ class Fit:
             self.has_state,
             state.model_state,
         )
+        evaluation = self._evaluation(state.params, state.model_state, eval_batch)
         return _program.run(
             self.opts,
             self.optimizer,
@@ -252,10 +269,26 @@ class Fit:
             host_id=host_id,
             pack=pack,
             rebuild=rebuild,
+            evaluation=evaluation,
+            eval_batch=eval_batch,
+        )
+
+    def _evaluation(self, params: Any, model_state: Any, eval_batch: tuple) -> Evaluation | None:
+        """``eval_fn`` traced and checked for this call (None without one)."""
+        if self.opts.eval_fn is None:
+            return None
+        return Evaluation(
+            self.opts.eval_fn, self.has_state, loss_params(params), model_state, eval_batch
         )
 
     def _rebuild(
-        self, state: FitState, batch: tuple, good: int, period: Any, host_id: int | None
+        self,
+        state: FitState,
+        batch: tuple,
+        eval_batch: tuple,
+        good: int,
+        period: Any,
+        host_id: int | None,
     ) -> FitState:
         """The state after the first ``good`` updates of a call from ``state``: after a
         refused update, the state before it.
@@ -265,13 +298,14 @@ class Fit:
         program, its notifications muted: a step is one function of the loop's carry,
         wherever chunks and notifications split the loop, so it gives the first run's
         state bit for bit (tested). It costs those steps once more, in a call that stops
-        on NONFINITE only.
+        on NONFINITE only (and with ``eval_fn``, their evaluations once more).
         """
         self._muted = True
         try:
-            new, _, _ = self._fused(
+            new, _, _, _ = self._fused(
                 state,
                 batch,
+                eval_batch,
                 self._int32(good),
                 period,
                 scan_steps=None,
@@ -283,7 +317,9 @@ class Fit:
         finally:
             self._muted = False
 
-    def _compiled_text(self, state: FitState, *batch: Any, steps: int | None = None) -> str:
+    def _compiled_text(
+        self, state: FitState, *batch: Any, steps: int | None = None, eval_batch: Any = None
+    ) -> str:
         """The HLO text of the program a plain call of ``steps`` runs, as XLA compiled it
         (for inspection: `benchmarks/jax_kernels.py`, the tests)."""
         n = np.int32(self.opts.steps if steps is None else steps)
@@ -291,6 +327,7 @@ class Fit:
             self._fused.lower(
                 state,
                 batch,
+                check_eval_batch(eval_batch, self.opts.eval_fn),
                 n,
                 self._period(False),
                 scan_steps=None,
@@ -399,8 +436,17 @@ class Fit:
         )
         return propose(self.optimizer, loss, params, opt_state, batch, None, model_state)
 
-    def _run_stepwise(self, state: FitState, batch: tuple, n: int) -> tuple:
+    def _one_evaluation(self, params: Any, model_state: Any, eval_batch: tuple) -> dict:
+        """The evaluation of the stepwise reference, traced by ``self._evaluate``."""
+        self.compiles += 1  # Python runs here only while jax.jit traces a new evaluation
+        evaluation = self._evaluation(params, model_state, eval_batch)
+        assert evaluation is not None
+        return evaluation(loss_params(params), model_state, eval_batch)
+
+    def _run_stepwise(self, state: FitState, batch: tuple, n: int, eval_batch: tuple) -> tuple:
         self._check_model_state(state)
+        # eval_fn checked before the first step, not at the first evaluation
+        evaluation = self._evaluation(state.params, state.model_state, eval_batch)
         held: dict[str, Any] = {
             "params": state.params,
             "opt": state.opt_state,
@@ -423,11 +469,22 @@ class Fit:
             held["params"], held["opt"], held["model"] = token
             held["i"] += 1
 
+        def evaluate() -> dict:
+            return self._evaluate(held["params"], held["model"], eval_batch)
+
         with Notifier(self.opts, start, n, label="stepfuse.jax") as note:
             trace = run_stepwise(
-                propose_step, commit, n, self.opts, start, note if self.opts.notify else None
+                propose_step,
+                commit,
+                n,
+                self.opts,
+                start,
+                note if self.opts.notify else None,
+                evaluate if self.opts.eval_fn is not None else None,
             )
             note.done(trace.steps)
+        if evaluation is not None:
+            trace = named_evals(trace, evaluation.dtypes)
         new = FitState(held["params"], held["opt"], jnp.int32(start + trace.steps), held["model"])
         trace = finish(trace, self.opts, start, new)
         return (new, trace, held["aux"]) if self.has_aux else (new, trace)

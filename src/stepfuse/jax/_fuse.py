@@ -33,6 +33,8 @@ def fuse(
     mode: str = "fused",
     differentiable: bool = False,
     compiler_options: dict[str, Any] | None = None,
+    eval_fn: Callable[..., Any] | None = None,
+    eval_every: int | None = None,
 ) -> Fit:
     """Build a fused fit: ``steps`` optax updates of ``loss_fn`` in one compiled call.
 
@@ -56,7 +58,8 @@ def fuse(
         new_model_state)`` (``(loss, (new_model_state, aux))`` with ``has_aux``), the
         loop carries it step to step and call to call (``fit.init(params,
         model_state)``, ``state.model_state``); a refused non-finite update leaves it
-        at the last finite step too.
+        at the last finite step too. ``eval_fn`` is then called as ``eval_fn(params,
+        model_state, *eval_batch)``.
       differentiable: run the loop as a ``lax.scan`` of the built ``steps`` iterations
         (those past a call's ``steps=n``, and finished ones, masked) so that ``jax.grad``
         can go through it in reverse mode; one program serves every ``n`` (a call costs
@@ -72,7 +75,10 @@ def fuse(
 
     Returns:
       A `Fit`: ``state = fit.init(params)`` (``fit.init(params, model_state)`` with
-      ``has_state``); ``state, trace = fit(state, *batch)``.
+      ``has_state``); ``state, trace = fit(state, *batch)``. With ``eval_fn``, a call
+      passes ``fit(state, *batch, eval_batch=(...))`` and ``eval_fn(params, *eval_batch)``
+      runs inside the compiled loop (``params``: those ``loss_fn`` gets), its results in
+      ``trace.eval``.
 
     Example:
       >>> import jax.numpy as jnp, optax, stepfuse.jax as sf
@@ -81,7 +87,18 @@ def fuse(
       >>> trace.steps, round(float(state.params[0]), 4)
       (50, 1.0)
     """
-    opts = check_options(steps, tol, record_every, callback, every, progress, on_nonfinite, mode)
+    opts = check_options(
+        steps,
+        tol,
+        record_every,
+        callback,
+        every,
+        progress,
+        on_nonfinite,
+        mode,
+        eval_fn=eval_fn,
+        eval_every=eval_every,
+    )
     if not callable(loss_fn):
         fail(
             TypeError,

@@ -17,7 +17,11 @@ those of every other loop. What is JAX's own is how the steps are laid out:
   finished steps are skipped by a ``cond`` and whose refused update is not applied;
 - data streams (`_data.Streams`): each step picks its minibatch from the call's stacked
   batches or resident dataset; a shuffled dataset's permutation is carried and refreshed
-  at the start of a chunk, which ends at the epoch boundary (per step in the masked scan).
+  at the start of a chunk, which ends at the epoch boundary (per step in the masked scan);
+- evaluation (`_eval`): with ``eval_fn``, the chunks run in a loop of their own up to the
+  next multiple of ``eval_every``, then a ``cond`` evaluates if an update reached it (per
+  step in the masked scan). The steps' loop is the same with or without it, and a fit
+  without ``eval_fn`` compiles the program it did before.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from .._core.loop import (
 from . import _host
 from ._checks import Loss
 from ._data import Streams
+from ._eval import EvalBuffers, Evaluation, evaluate
 from ._ops import OPS, select
 from ._probe import flat_state, held
 from ._state import FitState
@@ -76,6 +81,8 @@ class Carry(NamedTuple):
       model_state: the model's state with ``has_state`` (None otherwise, not carried).
       feed: the shuffled data streams' epochs and permutations (`_data.Streams`; None
         without one, not carried).
+      evals: the evaluations' buffers (`_eval.EvalBuffers`) with ``eval_fn``; None
+        otherwise, and never carried by the steps' own loop (`_Loop.chunk`).
     """
 
     flow: Flow
@@ -86,6 +93,7 @@ class Carry(NamedTuple):
     kept: jax.Array
     model_state: Any = None
     feed: Any = None
+    evals: EvalBuffers | None = None
 
 
 class _Loop:
@@ -103,8 +111,13 @@ class _Loop:
         period: jax.Array,
         host_id: int | None,
         scanned: bool,
+        evaluation: Evaluation | None = None,
+        eval_batch: tuple = (),
     ):
         self.opts, self.k = opts, opts.record_every
+        self.evaluation, self.eval_batch = evaluation, eval_batch
+        # (as an int32: a larger eval_every is never reached by the int32 step count)
+        self.eval_every = min(opts.eval_every or 1, 2**31 - 1)
         self.optimizer, self.loss, self.dispatch, self.batch = optimizer, loss, dispatch, batch
         self.step0, self.n, self.period, self.host_id = step0, n, period, host_id
         self.streams = Streams(batch)
@@ -123,7 +136,10 @@ class _Loop:
         aux0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), self.loss.aux_shape)
         kept = held(flat_state((opt_state, model_state)))
         feed = self.streams.start(self.step0)
-        carry = Carry(flow, params, opt_state, self.fresh_buf(), aux0, kept, model_state, feed)
+        evals = None if self.evaluation is None else self.evaluation.start(self.opts.eval_capacity)
+        carry = Carry(
+            flow, params, opt_state, self.fresh_buf(), aux0, kept, model_state, feed, evals
+        )
         return varying_like(carry, (params, opt_state, model_state, self.batch))
 
     def fresh_buf(self) -> jax.Array:
@@ -164,7 +180,7 @@ class _Loop:
             # Written after the probe has read the old one (it depends on the probe): else
             # XLA copies it twice a step to update it in place.
             new_kept = select(ok, new_kept, c.kept)
-            return Carry(flow, new_params, new_opt, buf, aux, new_kept, new_state, feed)
+            return Carry(flow, new_params, new_opt, buf, aux, new_kept, new_state, feed, c.evals)
 
         return body
 
@@ -214,12 +230,47 @@ class _Loop:
         inner = jax.lax.while_loop(
             lambda c: self.running(c, limit),
             self.body(first, CHUNK, False),
-            c._replace(buf=small),
+            c._replace(buf=small, evals=None),  # the evaluations' buffers stay out here
         )
         big = jax.lax.dynamic_update_slice(big, inner.buf[:CHUNK], (first,))
         if self.opts.notify and not self.keep_loss:  # the last unrecorded loss, for `last_loss`
             big = big.at[self.size].set(inner.buf[CHUNK])
-        return inner._replace(buf=big)
+        return inner._replace(buf=big, evals=c.evals)
+
+    def evaluate(self, before: Carry, c: Carry) -> Carry:
+        """``c`` with one more evaluation if the updates since ``before`` brought the fit's
+        step count to a multiple of ``eval_every`` (`_eval.evaluate`)."""
+        assert self.evaluation is not None and c.evals is not None
+        done = applied(OPS, c.flow)
+        evals = evaluate(
+            self.evaluation,
+            self.eval_every,
+            c.evals,
+            self.step0 + done,
+            done > applied(OPS, before.flow),
+            c.params,
+            c.model_state,
+            self.eval_batch,
+        )
+        return c._replace(evals=evals)
+
+    def advance(self, c: Carry, end: Any) -> Carry:
+        """One iteration of a loop of chunks up to iteration ``end``: a chunk; with
+        ``eval_fn``, the chunks up to the next multiple of ``eval_every`` (or ``end``),
+        then the evaluation if an update reached it.
+
+        A segment ends at the iteration whose step count is the next multiple (``i + k -
+        step % k``, written so that no int32 overflows), so no update past it runs before
+        the evaluation; a refused update ends the loop short of it, and only an applied one
+        moves the step count, so the parameters evaluated are always an applied update's.
+        """
+        if self.evaluation is None:
+            return self.chunk(c, end)
+        k = self.eval_every
+        ahead = k - (self.step0 + applied(OPS, c.flow)) % k
+        stop = c.flow.i + jnp.minimum(end - c.flow.i, ahead)
+        new = jax.lax.while_loop(lambda c: self.running(c, stop), lambda c: self.chunk(c, stop), c)
+        return self.evaluate(c, new)
 
     def segment(self, c: Carry) -> Carry:
         """The chunks up to the next multiple of the period, then the host callback.
@@ -233,12 +284,12 @@ class _Loop:
         end = jnp.minimum(
             self.n, c.flow.i + self.period - (self.step0 + applied(OPS, c.flow)) % self.period
         )
-        new = jax.lax.while_loop(lambda c: self.running(c, end), lambda c: self.chunk(c, end), c)
+        new = jax.lax.while_loop(lambda c: self.running(c, end), lambda c: self.advance(c, end), c)
         return self.notify(c, new)
 
     def fused(self, carry: Carry) -> Carry:
         """The call's steps: chunks, in segments when the loop notifies the host."""
-        step = self.segment if self.opts.notify else lambda c: self.chunk(c, self.n)
+        step = self.segment if self.opts.notify else lambda c: self.advance(c, self.n)
         return jax.lax.while_loop(lambda c: self.running(c, self.n), step, carry)
 
     def rebuilt(self, carry: Carry, out: Carry) -> Carry:
@@ -249,7 +300,7 @@ class _Loop:
         good = jnp.where(bad, applied(OPS, out.flow), 0)
 
         def redo(good: Any) -> tuple[Any, Any, Any]:
-            again = carry._replace(buf=varying_like(self.fresh_buf(), carry))
+            again = carry._replace(buf=varying_like(self.fresh_buf(), carry), evals=None)
             again = jax.lax.while_loop(
                 lambda a: a.flow.i < good, lambda a: self.chunk(a, good), again
             )
@@ -267,11 +318,13 @@ class _Loop:
 
         def scan_body(c: Carry, _: Any) -> tuple[Carry, None]:
             new = jax.lax.cond(self.running(c, self.n), body, lambda c: c, c)
+            if self.evaluation is not None:  # a refused update is not applied here
+                new = self.evaluate(c, new)
             return (self.notify(c, new) if self.opts.notify else new), None
 
         return jax.lax.scan(scan_body, carry, None, length=length)[0]
 
-    def result(self, out: Carry, pack: bool) -> tuple[FitState, Any, Any]:
+    def result(self, out: Carry, pack: bool) -> tuple[FitState, Any, Any, Any]:
         done = applied(OPS, out.flow)
         stop = stop_code(OPS, out.flow, self.met)
         state = FitState(out.params, out.opt_state, self.step0 + done, out.model_state)
@@ -284,8 +337,9 @@ class _Loop:
                 state,
                 jnp.concatenate([jax.lax.bitcast_convert_type(out.buf, ints), counts]),
                 out.aux,
+                out.evals,
             )
-        return state, (out.buf, done, stop), out.aux
+        return state, (out.buf, done, stop), out.aux, out.evals
 
 
 def run(
@@ -302,10 +356,13 @@ def run(
     host_id: int | None,
     pack: bool,
     rebuild: bool,
-) -> tuple[FitState, Any, Any]:
+    evaluation: Evaluation | None = None,
+    eval_batch: tuple = (),
+) -> tuple[FitState, Any, Any, Any]:
     """The fused program of a call of ``n`` steps from ``state``, traced: ``(state, out,
-    aux)``, ``out`` the losses' bits then applied and the stop code as one integer array
-    (``pack``), else ``(losses, applied, stop)``.
+    aux, evals)``, ``out`` the losses' bits then applied and the stop code as one integer
+    array (``pack``), else ``(losses, applied, stop)``; ``evals`` the `_eval.EvalBuffers`
+    of ``evaluation`` (``eval_fn`` traced for ``eval_batch``), None without one.
 
     ``scan_steps``: run the masked scan of that many iterations; ``host_id``: notify
     through stepfuse's FFI target (else ``jax.debug.callback`` to ``dispatch``);
@@ -322,6 +379,8 @@ def run(
         period,
         host_id,
         scan_steps is not None,
+        evaluation,
+        eval_batch,
     )
     carry = loop.start(state.params, state.opt_state, state.model_state)
     if scan_steps is not None:

@@ -1,4 +1,6 @@
-"""`FitState`, what a JAX fit carries between calls, and `stepfuse.Trace` as a pytree."""
+"""`FitState`, what a JAX fit carries between calls, and `stepfuse.Trace` and
+`stepfuse.EvalTrace` as pytrees (a call traced by a user's transform returns them with
+arrays in every field)."""
 
 from __future__ import annotations
 
@@ -6,14 +8,19 @@ from typing import Any, NamedTuple
 
 import jax
 
-from .._core import Trace
+from .._core import EvalTrace, Trace
 
 __all__ = ["FitState"]
 
 jax.tree_util.register_pytree_node(
     Trace,
-    lambda t: ((t.loss, t.steps, t.stop), t.record_every),
-    lambda k, children: Trace(*children, record_every=k),
+    lambda t: ((t.loss, t.steps, t.stop, t.eval), t.record_every),
+    lambda k, c: Trace(c[0], c[1], c[2], record_every=k, eval=c[3]),
+)
+jax.tree_util.register_pytree_node(
+    EvalTrace,
+    lambda e: ((e.step, dict(e.values)), None),
+    lambda _, c: EvalTrace(c[0], c[1]),
 )
 
 

@@ -10,6 +10,6 @@ a ``tf.data`` iterator; `OutOfDataError` when one runs out). TF1 graph mode
 from . import v1 as v1
 from ._data import OutOfDataError as OutOfDataError
 from ._fit import Fit as Fit
-from ._fit import fuse as fuse
+from ._fuse import fuse as fuse
 
 __all__ = ["Fit", "OutOfDataError", "fuse", "v1"]

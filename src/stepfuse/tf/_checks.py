@@ -190,3 +190,17 @@ def _check_loss(loss: Any, loss_fn: Any) -> Any:
             f"It returned dtype {t.dtype.name}; cast it, e.g. tf.cast(loss, tf.float32).",
         )
     return t
+
+
+def _random_ops(graph_def: Any) -> tuple[str, ...]:
+    """The random-number op types in a graph and its functions (loop bodies, branches).
+
+    XLA implements TensorFlow's random ops with its own generators: the same seed draws
+    other numbers than TensorFlow's kernels do, eagerly or in a plain ``tf.function``
+    (a Keras Dropout layer draws a different mask), so an XLA loop would drift from the
+    plain training loop from its first step."""
+    nodes = list(graph_def.node)
+    for function in graph_def.library.function:
+        nodes += function.node_def
+    marks = ("Random", "Rng", "Multinomial", "TruncatedNormal", "Shuffle")
+    return tuple(sorted({n.op for n in nodes if any(m in n.op for m in marks)}))

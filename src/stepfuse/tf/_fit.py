@@ -1,9 +1,7 @@
-"""TensorFlow 2 / Keras backend: many Keras-optimizer steps inside one ``tf.function`` call.
-
-``fuse(loss_fn, optimizer, variables, steps=...)`` returns a `Fit`; ``fit(*batch)`` runs the
-steps in one ``tf.function`` call (a ``tf.while_loop``, XLA-compiled by default) and returns
-a `stepfuse.Trace`. The variables and the optimizer state are updated in place.
-TF1 graph mode (``sess.run``) lives in `stepfuse.tf.v1`.
+"""`Fit`, what the TF2 backend's `fuse` returns: ``fit(*batch)`` runs the steps in one
+``tf.function`` call (a ``tf.while_loop``, XLA-compiled by default) and returns a
+`stepfuse.Trace`. The variables and the optimizer state are updated in place. With
+``eval_fn``, the evaluations run inside the loop (`_eval`).
 """
 
 from __future__ import annotations
@@ -12,7 +10,6 @@ import contextlib
 import math
 import time
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -24,24 +21,23 @@ from .._core import (
     Trace,
     ceil_div,
     check_call_steps,
-    check_options,
+    check_eval_batch,
     deferred_interrupts,
     finish,
     host_trace,
+    named_evals,
     run_stepwise,
-    shared_doc,
 )
 from ._checks import (
     _ArgumentError,
-    _check_jit_compile,
     _check_loss,
-    _check_optimizer,
-    _check_variables,
     _fail,
     _learning_rate_of,
+    _random_ops,
     _tf_var,
 )
 from ._data import Streams
+from ._eval import Evaluations
 from ._loop import _INT, _all_finite, _inner_loop, _outer_loop
 
 try:  # a gradient tape left open around a call must not record it (see `Fit._call`)
@@ -49,26 +45,20 @@ try:  # a gradient tape left open around a call must not record it (see `Fit._ca
 except ImportError:  # pragma: no cover - other TF versions
     _not_recorded = contextlib.nullcontext
 
-__all__ = ["fuse", "Fit"]
+__all__ = ["Fit"]
 
 # The steps one launch of the (XLA) inner loop runs at most, unless the built `steps` is
 # larger. Each launch costs wall time, so a call far longer than the built `steps` runs in
 # launches this long; short calls are unaffected (docs/internals/tf.md).
 _MIN_STEPS_PER_LAUNCH = 16384
-
-
-def _random_ops(graph_def: Any) -> tuple[str, ...]:
-    """The random-number op types in a graph and its functions (loop bodies, branches).
-
-    XLA implements TensorFlow's random ops with its own generators: the same seed draws
-    other numbers than TensorFlow's kernels do, eagerly or in a plain ``tf.function``
-    (a Keras Dropout layer draws a different mask), so an XLA loop would drift from the
-    plain training loop from its first step."""
-    nodes = list(graph_def.node)
-    for function in graph_def.library.function:
-        nodes += function.node_def
-    marks = ("Random", "Rng", "Multinomial", "TruncatedNormal", "Shuffle")
-    return tuple(sorted({n.op for n in nodes if any(m in n.op for m in marks)}))
+# With eval_fn, a launch carries buffers for its evaluations, one slot per evaluation it may
+# run, so it runs fewer steps: at least max(steps, 1024) where that needs at most
+# _EVAL_SLOTS slots (else as many as the fit's `steps` need, or _EVAL_SLOTS). Sized by 16384
+# steps they cost the seed with eval_every=steps=10 ~60 us a call more, ~45 us of it because
+# XLA:CPU runs a loop body that touches a buffer over 512 bytes slower (63 slots and the
+# spare one of int64 steps are 512 bytes); docs/internals/tf.md.
+_MIN_STEPS_PER_EVAL_LAUNCH = 1024
+_EVAL_SLOTS = 63
 
 
 class Fit:
@@ -80,10 +70,11 @@ class Fit:
       mode: ``"fused"`` or ``"stepwise"`` (the ``mode`` given to `fuse`; a loop XLA cannot
         compile still runs fused, without XLA, and ``jit_compile`` says so).
       compiles: how many times a program was traced (``traces`` is the same counter, its
-        older name). It stays at 1 across calls with new ``steps`` and new batch values of
-        the same shapes and dtypes; without a callback or bar, a call longer than
-        ``max(steps, 16384)`` runs the compiled loop inside a graph loop, as every call
-        with one does: a second program, traced once.
+        older name; the stepwise mode's step and its evaluation count too). It stays at 1
+        across calls with new ``steps`` and new batch values of the same shapes and
+        dtypes; without a callback or bar, a call longer than ``max(steps, 16384)`` (with
+        ``eval_fn`` shorter: see the TF guide) runs the compiled loop inside a graph loop,
+        as every call with one does: a second program, traced once.
       step: updates applied since the fit was built.
       jit_compile: whether the loop is XLA-compiled (turned off with a warning when an
         op cannot be, or when the loss draws random numbers).
@@ -124,6 +115,11 @@ class Fit:
         self._held = [t for t in map(_tf_var, held) if id(t) not in ids]
         # the steps one launch of the (XLA) inner loop runs at most
         self._steps_per_launch = max(opts.steps, _MIN_STEPS_PER_LAUNCH)
+        if opts.eval_every is not None:  # see _EVAL_SLOTS
+            k = opts.eval_every
+            slots = min(ceil_div(_MIN_STEPS_PER_EVAL_LAUNCH, k), _EVAL_SLOTS)
+            slots = max(ceil_div(opts.steps, k), slots)
+            self._steps_per_launch = min(self._steps_per_launch, slots * k)
         # A progress bar alone needs no synchronous host call: the loop publishes
         # (step, loss) in this variable and a thread reads it (see `Notifier.watch`).
         # That costs a fraction of a notification through tf.numpy_function, which a callback
@@ -155,6 +151,8 @@ class Fit:
         self._structure = None
         self._probes: dict[Any, tuple[tf.DType, tuple[str, ...]]] = {}  # see `_probe`
         self._streams = Streams()  # Batches / Epochs / tf.data arguments (see `_data`)
+        # eval_fn's arguments, check and buffers (see `_eval`); their tensors follow the batch's
+        self._evals = Evaluations(opts, self._steps_per_launch) if opts.eval_fn else None
         self._build()
 
     @property
@@ -179,20 +177,22 @@ class Fit:
             else tf.function(self._whole_py, jit_compile=self.jit_compile, autograph=False)
         )
         self._single: tuple[Any, Any] | None = None
+        self._evaluate: Any = None  # the stepwise mode's evaluation (see `_stepwise_evaluation`)
         self._concrete: dict[
             Any, Any
         ] = {}  # (program, batch signature) -> the traced function; see `_call`
 
-    def _call(self, program, head, batch):
-        """``program(*head, *batch)`` through the concrete function traced for these
-        arguments' dtypes and shapes (the losses kept in the batch's loss dtype).
+    def _call(self, program, head, batch, tail=()):
+        """``program(*head, *batch, *tail)`` through the concrete function traced for these
+        arguments' dtypes and shapes (the losses kept in the batch's loss dtype; ``tail``:
+        the evaluation's tensors).
 
         A ``tf.function`` call first matches its arguments against the traced signatures,
         Python work that is a large part of a short call. Looking the concrete function up
         by dtypes and shapes skips that (docs/internals/tf.md). Tracing,
         and so ``traces``, is unchanged: ``get_concrete_function`` traces what a call would.
         """
-        args = (*head, *batch)
+        args = (*head, *batch, *tail)
         key = (program, tuple((a.dtype, tuple(a.shape)) for a in args))
         concrete = self._concrete.get(key)
         if concrete is None:
@@ -308,9 +308,19 @@ class Fit:
 
         return tf.cond(ok, lambda: tf.constant(True), restore)
 
-    def _inner_py(self, m, i0, prev, *batch):
+    def _split(self, args: tuple) -> tuple[tuple, tuple]:
+        """A program's flat arguments as ``(batch, tail)``: the loss's tensors and the
+        evaluation's (empty without ``eval_fn``)."""
+        if self._evals is None:
+            return args, ()
+        cut = len(args) - self._evals.size
+        return args[:cut], args[cut:]
+
+    def _inner_py(self, m, i0, prev, *args):
+        batch, tail = self._split(args)
         streams, structure = self._streams, self._structure
         carry = streams.carry_in(structure, batch)  # shuffled Epochs: the order, as a loop variable
+        segments = None if self._evals is None else self._evals.segments(tail, i0)
 
         def step(carried=None):
             held = [v.read_value() for v in self._held]
@@ -329,23 +339,27 @@ class Fit:
             xla=self.jit_compile,
             dtype=self._trace_dtype,
             carry=carry,
+            segments=segments,
         )
-        if carry is None:
-            return out
-        streams.carry_out(structure, batch, out[-1])
-        return out[:-1]
+        evaluated: tuple = ()
+        if segments is not None:  # the launch's evaluations: count, steps, *values
+            out, evaluated = out[:-1], out[-1]
+        if carry is not None:
+            streams.carry_out(structure, batch, out[-1])
+            out = out[:-1]
+        return (*out, *evaluated)
 
-    def _whole_py(self, n, *batch):
+    def _whole_py(self, n, *args):
         self.compiles += 1
-        buf, count, _, applied, stop, _ = self._inner_py(
-            n, tf.constant(0, _INT), tf.constant(math.nan, tf.float64), *batch
+        buf, count, _, applied, stop, _, *evaluated = self._inner_py(
+            n, tf.constant(0, _INT), tf.constant(math.nan, tf.float64), *args
         )
-        return buf, count, applied, stop
+        return (buf, count, applied, stop, *evaluated)
 
-    def _outer_py(self, n, step0, speed, *batch):
+    def _outer_py(self, n, step0, speed, *args):
         self.compiles += 1
         return _outer_loop(
-            lambda m, i0, prev: self._inner(m, i0, prev, *batch),
+            lambda m, i0, prev: self._inner(m, i0, prev, *args),
             n,
             step0,
             self.opts,
@@ -354,6 +368,7 @@ class Fit:
             self._published,
             speed,
             dtype=self._trace_dtype,
+            gather=None if self._evals is None else self._evals.gather(),
         )
 
     def _notify_host(self, step, loss):
@@ -369,9 +384,15 @@ class Fit:
 
     # -- calling ------------------------------------------------------------------------
 
-    def __call__(self, *batch: Any, steps: Any = None) -> Trace:
-        """Run ``steps`` (default: the ``steps`` given to `fuse`) updates; returns the `Trace`."""
+    def __call__(self, *batch: Any, steps: Any = None, eval_batch: Any = None) -> Trace:
+        """Run ``steps`` (default: the ``steps`` given to `fuse`) updates; returns the `Trace`.
+
+        ``eval_batch``: with ``eval_fn``, its arguments (a tuple is the arguments, any
+        other value one argument, None none); new values of the same shapes and dtypes
+        reuse the traced programs.
+        """
         n = check_call_steps(steps, self.opts, capped=False)
+        eval_args = check_eval_batch(eval_batch, self.opts.eval_fn)
         if not tf.executing_eagerly():
             raise RuntimeError(
                 "stepfuse.tf: call the fit eagerly, not inside a tf.function or graph: it "
@@ -386,6 +407,14 @@ class Fit:
                 self._build()
             self._structure = structure
             self._probes.clear()
+        tail: tuple = ()
+        if self._evals is not None:
+            tail, eval_structure = self._evals.flatten(eval_args, start)
+            if eval_structure != self._evals.structure or len(tail) != self._evals.size:
+                if self._evals.structure is not None:
+                    self._build()
+                self._evals.structure, self._evals.size = eval_structure, len(tail)
+            self._evals.probe(tail)  # eval_fn traces and returns scalars, before anything runs
         if _learning_rate_of(self.optimizer) is not self._learning_rate:
             # `optimizer.learning_rate = schedule` (or a callable) replaces the variable the
             # programs read: trace them again (assigning a float writes into the variable).
@@ -393,7 +422,7 @@ class Fit:
             self._build()
         self._avoid_xla_for_random_ops(batch)
         if self.opts.mode == "stepwise":
-            return self._call_stepwise(batch, n, start)
+            return self._call_stepwise(batch, n, start, tail)
         self._callback_error, self._notified_step = None, None
         # Python's Ctrl-C handler runs in the main thread only, which is inside the call
         # until it returns (callbacks run on TF's threads): it could land between the
@@ -403,7 +432,7 @@ class Fit:
             if self._published is not None:
                 notifier.watch(self._published.numpy)
             try:
-                losses, applied, stop, last = self._run(n, start, batch)
+                losses, applied, stop, last, evals = self._run(n, start, batch, tail)
             except tf.errors.OpError:
                 err = self._callback_error
                 if err is not None:  # the user's callback raised: hand it back as is
@@ -415,24 +444,29 @@ class Fit:
                 self._notifier = None
             notifier.done(applied, None if last is None else float(last))
             self.step = start + int(applied)
-        trace = host_trace(losses, int(applied), int(stop), self.opts.record_every)
+        trace = host_trace(losses, int(applied), int(stop), self.opts.record_every, evals)
         self._streams.check_exhausted(trace, start, self.opts.record_every)
         return finish(trace, self.opts, start)
 
-    def _run(self, n, start, batch):
-        """The call's program: ``(losses as numpy, applied, stop, last loss)``; the last loss
-        only from the program that notifies (else None)."""
+    def _run(self, n, start, batch, tail):
+        """The call's program: ``(losses as numpy, applied, stop, last loss, evaluations)``;
+        the last loss only from the program that notifies (else None), the evaluations
+        (an `EvalTrace`) with ``eval_fn`` (else None)."""
         whole = self._whole is not None and n <= self._steps_per_launch
+        evals = self._evals
         if whole:
 
             def run():
-                buf, count, applied, stop = self._call(self._whole, (tf.constant(n, _INT),), batch)
-                return buf.numpy()[: int(count)], applied, stop, None
+                buf, count, applied, stop, *evaluated = self._call(
+                    self._whole, (tf.constant(n, _INT),), batch, tail
+                )
+                ev = None if evals is None else evals.trace(evaluated, gathered=False)
+                return buf.numpy()[: int(count)], applied, stop, None, ev
         else:
 
             def run():
                 t0 = time.perf_counter()
-                losses, applied, stop, last = self._call(
+                losses, applied, stop, last, *evaluated = self._call(
                     self._outer,
                     (
                         tf.constant(n, _INT),
@@ -440,11 +474,13 @@ class Fit:
                         tf.constant(self._steps_per_second, tf.float64),
                     ),
                     batch,
+                    tail,
                 )
                 losses = losses.numpy()
                 if self._published is not None and int(applied):
                     self._steps_per_second = int(applied) / (time.perf_counter() - t0)
-                return losses, applied, stop, last
+                ev = None if evals is None else evals.trace(evaluated, gathered=True)
+                return losses, applied, stop, last, ev
 
         return self._xla_or_plain(whole, run, "the fused loop", stacklevel=4)
 
@@ -509,7 +545,27 @@ class Fit:
         for v, value in zip(self._state, new):
             v.assign(value)
 
-    def _call_stepwise(self, batch: Any, n: Any, start: Any) -> Trace:
+    def _stepwise_evaluation(self, tail: tuple) -> dict:
+        """The stepwise mode's evaluation at the current variables, through a
+        ``tf.function`` XLA-compiled as the fused loop is; NumPy values."""
+        evals = self._evals
+        assert evals is not None
+
+        def evaluate(*flat):
+            self.compiles += 1  # Python runs here only while the function is traced
+            return evals.values(flat)
+
+        def run():
+            if self._evaluate is None:  # (again after `_build`: XLA may have been turned off)
+                self._evaluate = tf.function(
+                    evaluate, autograph=False, jit_compile=self.jit_compile
+                )
+            return self._evaluate(*tail[1:])
+
+        out = self._xla_or_plain("evaluation", run, "the evaluation", stacklevel=7)
+        return {name: v.numpy() for name, v in out.items()}
+
+    def _call_stepwise(self, batch: Any, n: Any, start: Any, tail: tuple = ()) -> Trace:
         self._callback_error = None  # a fused call's, which would hide an XLA failure here
 
         def propose():
@@ -521,75 +577,21 @@ class Fit:
                 self._stepwise_functions()[1](new)
                 self.step += 1
 
+        def evaluate():
+            return self._stepwise_evaluation(tail)
+
         with Notifier(self.opts, start, n, label="stepfuse.tf") as notifier:
             trace = run_stepwise(
-                propose, commit, n, self.opts, start, notifier if self.opts.notify else None
+                propose,
+                commit,
+                n,
+                self.opts,
+                start,
+                notifier if self.opts.notify else None,
+                evaluate if self._evals is not None else None,
             )
             notifier.done(trace.steps)
+        if self._evals is not None:
+            trace = named_evals(trace, {n: d.as_numpy_dtype for n, d in self._evals.dtypes.items()})
         self._streams.check_exhausted(trace, start, self.opts.record_every)
         return finish(trace, self.opts, start)
-
-
-@shared_doc
-def fuse(
-    loss_fn: Callable[..., Any],
-    optimizer: Any,
-    variables: Any,
-    *,
-    steps: int,
-    tol: float | None = None,
-    record_every: int = 1,
-    callback: Callable[[int, float], Any] | None = None,
-    every: int | None = None,
-    progress: bool = False,
-    on_nonfinite: str = "stop",
-    mode: str = "fused",
-    jit_compile: bool = True,
-) -> Fit:
-    """Build a fused fit that runs many Keras-optimizer steps in one ``tf.function`` call.
-
-    Args:
-      loss_fn: ``loss_fn(*batch)`` reads the variables and returns a scalar float tensor.
-        It is traced once (its Python body runs at trace time only).
-      optimizer: a Keras 3 optimizer (``keras.optimizers.SGD``, ``Adam``, ``AdamW``,
-        ``RMSprop``...). Its slot variables are built here; its own update rule is used.
-      variables: a list of trainable float ``tf.Variable`` / ``keras.Variable``, a
-        ``tf.Module`` or a built Keras model (its ``trainable_variables``).
-      {options}
-      jit_compile: XLA-compile the step loop (default), and the stepwise mode's step (so
-        both draw alike). If an op can't be compiled, the first call warns and falls back
-        to a plain ``tf.function``. A loss with random ops (Dropout) runs without XLA, with
-        a warning: XLA draws other numbers than TensorFlow's kernels from the same seed,
-        and the fit draws what the plain GradientTape loop draws.
-
-    Returns:
-      a `Fit`; ``trace = fit(*batch, steps=None)`` updates the variables and the optimizer
-      state in place and returns a `stepfuse.Trace`. Any ``steps`` reuses the same traced
-      program; so do new batch values of the same shapes and dtypes.
-
-    Example:
-      >>> import keras, tensorflow as tf, stepfuse.tf as sf
-      >>> from stepfuse.problems import blobs
-      >>> x, y = blobs()
-      >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)])
-      >>> ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-      >>> fit = sf.fuse(lambda x, y: ce(y, model(x)), keras.optimizers.SGD(0.01), model, steps=3)
-      >>> trace = fit(x, y)                 # 3 updates, one tf.function call
-      >>> trace = fit(x, y, steps=1000)     # same program, no retrace
-    """
-    opts = check_options(steps, tol, record_every, callback, every, progress, on_nonfinite, mode)
-    if not callable(loss_fn):
-        _fail(
-            TypeError,
-            "loss_fn",
-            loss_fn,
-            "callable as loss_fn(*batch) -> scalar tensor",
-            "Pass a function that reads the variables and returns the loss.",
-        )
-    _check_optimizer(optimizer)
-    # A model's non-trainable variables (BatchNorm statistics, dropout seeds) change in the
-    # forward pass: a refused step puts them back too.
-    held = list(getattr(variables, "non_trainable_variables", None) or [])  # a module's or model's
-    variables = _check_variables(variables)
-    _check_jit_compile(jit_compile)
-    return Fit(loss_fn, optimizer, variables, opts, jit_compile, held=held)

@@ -1,12 +1,18 @@
 """The graph loops both TF backends run: a call's steps as an (XLA-compiled) inner
 ``tf.while_loop`` of guarded steps, chained by an outer loop that reaches the host
 between chunks; and the finite check of one step. Shared by `stepfuse.tf` (TF2) and
-`stepfuse.tf.v1` (TF1)."""
+`stepfuse.tf.v1` (TF1).
+
+A loop may also be cut into segments (`Segments`: TF2's evaluation inside the loop),
+each followed by a step of its own outside the steps' loop, and the outer loop may gather
+more outputs of each launch (``gather``); without them the graphs are those built
+before either existed."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import tensorflow as tf
@@ -49,6 +55,65 @@ _PUBLISH_SECONDS = 0.25
 _LOSSES_PER_COPY = 32  # losses an XLA inner loop keeps on the side between copies into the trace
 
 
+class Segments(Protocol):
+    """Cuts an inner loop into segments, with a step of its own after each (TF2's
+    evaluations): the steps' loop runs unchanged within a segment, and ``after`` runs
+    between segments, once per segment, never per step.
+
+    Attributes:
+      state: the tensors ``after`` carries from segment to segment (loop variables).
+    """
+
+    state: tuple
+
+    def end(self, flow: Flow) -> Any:
+        """The inner loop's iteration (``flow.i``, int32) at which the segment that
+        starts at ``flow`` ends."""
+        ...
+
+    def after(self, before: Flow, flow: Flow, state: tuple) -> tuple:
+        """``state`` after the segment that went from ``before`` to ``flow``."""
+        ...
+
+
+class Gather(Protocol):
+    """More outputs of each launch of the inner loop, gathered by `_outer_loop`."""
+
+    def start(self) -> tuple:
+        """The loop variables that gather them (e.g. ``TensorArray`` objects)."""
+        ...
+
+    def write(self, held: tuple, k: Any, outputs: list) -> tuple:
+        """``held`` with launch ``k``'s ``outputs`` (those after the usual six)."""
+        ...
+
+    def finish(self, held: tuple) -> tuple:
+        """The gathered outputs of the call."""
+        ...
+
+
+class Buffers:
+    """A `Gather` of buffers each launch returns after a count of their entries (its
+    evaluations: steps, then values): launch ``k``'s ``buffer[:count]`` of each, in
+    ``TensorArray`` objects, concatenated at the end of the call."""
+
+    def __init__(self, dtypes: Sequence[Any]):
+        self.dtypes = tuple(dtypes)
+
+    def start(self) -> tuple:
+        return tuple(
+            tf.TensorArray(d, size=0, dynamic_size=True, infer_shape=False, element_shape=[None])
+            for d in self.dtypes
+        )
+
+    def write(self, held: tuple, k: Any, outputs: list) -> tuple:
+        count, *buffers = outputs
+        return tuple(ta.write(k, b[:count]) for ta, b in zip(held, buffers))
+
+    def finish(self, held: tuple) -> tuple:
+        return tuple(ta.concat() for ta in held)
+
+
 def _inner_loop(
     step: Any,
     m: Any,
@@ -59,6 +124,7 @@ def _inner_loop(
     xla: bool = False,
     dtype: Any = tf.float32,
     carry: tuple | None = None,
+    segments: Segments | None = None,
 ) -> Any:
     """At most ``m`` guarded steps (the part of a call that XLA compiles).
 
@@ -75,6 +141,9 @@ def _inner_loop(
     steps gather in a small buffer, written into the trace once.
     The losses are kept as ``dtype``: float64 for a float64 loss, whose ``tol`` compares
     the losses themselves (a float32 copy rounds away differences of ~1e-7 relative).
+
+    ``segments``: the steps run in segments, each followed by ``segments.after`` (under
+    XLA within a chunk of losses); its final state comes last in what the loop returns.
     """
     r = opts.record_every
     first_slot = ceil_div(i0, r)  # the record index of this loop's first recorded loss
@@ -130,16 +199,32 @@ def _inner_loop(
         # Sized by what is written: stacking a TensorArray of `cap` entries costs time
         # however few steps ran.
         buf = tf.TensorArray(dtype, size=0, dynamic_size=True, element_shape=[])
-        values, buf = tf.while_loop(
-            lambda v, b: running(v), body, (flat(flow0, carry or ()), buf), maximum_iterations=m
-        )
+        if segments is None:
+            values, buf = tf.while_loop(
+                lambda v, b: running(v), body, (flat(flow0, carry or ()), buf), maximum_iterations=m
+            )
+        else:
+
+            def segment(values: Any, buf: Any, state: tuple) -> Any:
+                end = tf.minimum(m, segments.end(unflat(values)))
+                new, buf = tf.while_loop(
+                    lambda v, b: tf.logical_and(running(v), unflat(v).i < end), body, (values, buf)
+                )
+                return new, buf, segments.after(unflat(values), unflat(new), state)
+
+            values, buf, state = tf.while_loop(
+                lambda v, b, s: running(v),
+                segment,
+                (flat(flow0, carry or ()), buf, segments.state),
+            )
         buf = buf.stack()
     else:
         C = _LOSSES_PER_COPY
         where = tf.range(C, dtype=_INT)
 
-        def chunk(values: Any, chunks: Any, k: Any) -> Any:
-            """The steps whose losses fill slots [k C, (k + 1) C) of the buffer."""
+        def chunk(values: Any, chunks: Any, k: Any, *state: tuple) -> Any:
+            """The steps whose losses fill slots [k C, (k + 1) C) of the buffer (and the
+            segments' ``state`` with them)."""
             end = tf.minimum(m, ((k + 1) * C + first_slot) * r - i0)
 
             def body(values: Any, small: Any) -> Any:
@@ -148,23 +233,49 @@ def _inner_loop(
                 slot = loop.record_slot(i0 + flow.i, r, first_slot + k * C, C, OPS)
                 return flat(new, held), tf.where(tf.equal(where, slot), kept, small)
 
-            values, small = tf.while_loop(
-                lambda v, b: tf.logical_and(running(v), unflat(v).i < end),
-                body,
-                (values, tf.fill([C], tf.constant(math.nan, dtype))),
+            small = tf.fill([C], tf.constant(math.nan, dtype))
+            if segments is None:
+                values, small = tf.while_loop(
+                    lambda v, b: tf.logical_and(running(v), unflat(v).i < end),
+                    body,
+                    (values, small),
+                )
+                return values, chunks.write(k, small), k + 1
+            assert segments is not None
+
+            def segment(values: Any, small: Any, state: tuple) -> Any:
+                stop = tf.minimum(end, segments.end(unflat(values)))
+                new, small = tf.while_loop(
+                    lambda v, b: tf.logical_and(running(v), unflat(v).i < stop),
+                    body,
+                    (values, small),
+                )
+                return new, small, segments.after(unflat(values), unflat(new), state)
+
+            values, small, after = tf.while_loop(
+                lambda v, b, s: tf.logical_and(running(v), unflat(v).i < end),
+                segment,
+                (values, small, state[0]),
             )
-            return values, chunks.write(k, small), k + 1
+            return values, chunks.write(k, small), k + 1, after
 
         chunks = tf.TensorArray(dtype, size=ceil_div(cap, C), element_shape=[C])
-        values, chunks, _ = tf.while_loop(
-            lambda v, c, k: running(v),
-            chunk,
-            (flat(flow0, carry or ()), chunks, tf.constant(0, _INT)),
-        )
+        if segments is None:
+            values, chunks, _ = tf.while_loop(
+                lambda v, c, k: running(v),
+                chunk,
+                (flat(flow0, carry or ()), chunks, tf.constant(0, _INT)),
+            )
+        else:
+            values, chunks, _, state = tf.while_loop(
+                lambda v, c, k, s: running(v),
+                chunk,
+                (flat(flow0, carry or ()), chunks, tf.constant(0, _INT), segments.state),
+            )
         buf = tf.reshape(chunks.stack(), [-1])
     flow, held = split(values)
     count = ceil_div(i0 + flow.i, r) - first_slot
-    out = (
+    out: tuple = (
         buf,
         count,
         flow.i,
@@ -172,7 +283,9 @@ def _inner_loop(
         loop.stop_code(OPS, flow, met),
         flow.last,
     )
-    return out if carry is None else (*out, held)
+    if carry is not None:
+        out = (*out, held)
+    return out if segments is None else (*out, state)
 
 
 def _outer_loop(
@@ -186,6 +299,7 @@ def _outer_loop(
     speed: Any = None,
     dtype: Any = tf.float32,
     count: Any = None,
+    gather: Gather | None = None,
 ) -> Any:
     """A whole call: ``inner`` chunks (launches of the compiled inner loop) of at most
     ``steps_per_launch`` steps each, until ``n`` or a stop.
@@ -199,14 +313,15 @@ def _outer_loop(
     last chunk's speed; the first chunk at ``speed`` (steps per second, a float64 scalar:
     the previous call's), or when that is 0 to the first multiple. ``count`` (an int64
     variable) gets each chunk's applied updates before its notification, so a callback
-    that raises leaves it right.
-    Returns ``(losses, applied, stop, last loss)``.
+    that raises leaves it right. ``gather``: ``inner`` returns more outputs after its six,
+    gathered launch by launch (`Gather`).
+    Returns ``(losses, applied, stop, last loss)``, then ``gather.finish``'s outputs.
     """
 
-    def cond(i, applied, stop, prev, ta, k, ticks, clock):
+    def cond(i, applied, stop, prev, ta, k, ticks, clock, *more):
         return tf.logical_and(i < n, tf.equal(stop, int(Stop.STEPS)))
 
-    def body(i, applied, stop, prev, ta, k, ticks, clock):
+    def body(i, applied, stop, prev, ta, k, ticks, clock, *more):
         m = tf.minimum(tf.constant(steps_per_launch, _INT), n - i)
         if opts.notify:  # a chunk ends at a multiple of `every` (the XLA loop needn't check)
             gstep = step0 + tf.cast(applied, tf.int64)
@@ -215,8 +330,10 @@ def _outer_loop(
                 ahead = tf.maximum(ahead, tf.cast(clock[1] * _PUBLISH_SECONDS, tf.int64))
             end = next_multiple(gstep, opts.every, ahead)
             m = tf.minimum(m, tf.cast(end - gstep, _INT))
-        buf, kept, j, a, stop, prev = inner(m, i, prev)
+        buf, kept, j, a, stop, prev, *outputs = inner(m, i, prev)
         ta = ta.write(k, buf[:kept])
+        if gather is not None:
+            more = (gather.write(more[0], k, outputs),)
         applied = applied + a
         if count is not None:
             with tf.control_dependencies([count.assign_add(tf.cast(a, tf.int64))]):
@@ -236,12 +353,12 @@ def _outer_loop(
             )
             with tf.control_dependencies([ticks]):  # a TF1 graph would prune the unread count
                 j = tf.identity(j)
-        return i + j, applied, stop, prev, ta, k + 1, ticks, clock
+        return (i + j, applied, stop, prev, ta, k + 1, ticks, clock, *more)
 
     ta = tf.TensorArray(dtype, size=0, dynamic_size=True, infer_shape=False, element_shape=[None])
     # (time the last chunk ended, its steps per second): sizes a bar's chunks
     clock = tf.stack([tf.timestamp(), tf.constant(0, tf.float64) if speed is None else speed])
-    init = (
+    init: tuple = (
         tf.constant(0, _INT),  # steps evaluated
         tf.constant(0, _INT),  # updates applied
         tf.constant(int(Stop.STEPS), _INT),  # the stop code so far
@@ -251,5 +368,9 @@ def _outer_loop(
         tf.constant(0, _INT),
         clock,
     )
-    _, applied, stop, prev, ta, _, _, _ = tf.while_loop(cond, body, init)
-    return ta.concat(), applied, stop, prev
+    if gather is not None:
+        init = (*init, gather.start())
+    _, applied, stop, prev, ta, _, _, _, *more = tf.while_loop(cond, body, init)
+    if gather is None:
+        return ta.concat(), applied, stop, prev
+    return (ta.concat(), applied, stop, prev, *gather.finish(more[0]))

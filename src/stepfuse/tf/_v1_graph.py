@@ -131,9 +131,7 @@ def _reuse_scope():
     return tf1.variable_scope(tf1.get_variable_scope(), reuse=True)
 
 
-def _prepare(loss_fn, optimizer, var_list):
-    """Checks, the first (variable-creating) forward pass, the var list and the slots."""
-    _check_graph_mode()
+def _check_loss_fn(loss_fn: Any) -> None:
     if not callable(loss_fn):
         _fail(
             TypeError,
@@ -142,6 +140,12 @@ def _prepare(loss_fn, optimizer, var_list):
             "callable as loss_fn() -> scalar tensor",
             "Pass a function that builds the loss from placeholders and variables.",
         )
+
+
+def _prepare(loss_fn, optimizer, var_list):
+    """Checks, the first (variable-creating) forward pass, the var list and the slots."""
+    _check_graph_mode()
+    _check_loss_fn(loss_fn)
     _check_optimizer(optimizer)
     loss0 = _check_loss(loss_fn(), loss_fn)  # creates the variables (tf1.get_variable, layers)
     given = var_list

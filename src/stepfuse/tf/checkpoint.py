@@ -107,11 +107,18 @@ def saver(fused, **kwargs):
     """A ``tf.compat.v1.train.Saver`` over a `stepfuse.tf.v1` loop's state.
 
     Covers ``fused.state`` (the trained variables and the optimizer's slot and
-    non-slot variables). Build it in the fused loop's graph; ``saver.save(sess, path)``
-    and ``saver.restore(sess, path)`` as usual. The Python-side ``fused.step`` counter
+    non-slot variables) and, where the fit has one, its step count ``fused.counter``
+    (``data=Epochs``, ``eval_fn``, ``callback``): a restored fit continues with the
+    minibatches and evaluations of the run that never stopped. Build it in the fused
+    loop's graph; ``saver.save(sess, path)`` and ``saver.restore(sess, path)`` as usual.
+    (A ``Saver()`` of every global variable also saves an ``Epochs`` dataset, which the
+    graph holds as variables.) Without ``fused.counter``, the Python-side ``fused.step``
     (only used for `stepfuse.NonFiniteError` step numbers) is not saved.
     """
     state = getattr(fused, "state", None)
     if state is None:
         raise TypeError(f"`fused` must be the result of stepfuse.tf.v1.fuse; got {fused!r}.")
-    return tf.compat.v1.train.Saver(var_list=list(state), **kwargs)
+    counter = getattr(fused, "counter", None)
+    return tf.compat.v1.train.Saver(
+        var_list=list(state) + ([] if counter is None else [counter]), **kwargs
+    )

@@ -45,16 +45,18 @@ from .._core import (
     n_recorded,
     next_multiple,
     run_stepwise,
-    shared_doc,
 )
+from .._core.options import shared_doc_of
 from . import _cuda, _data, _eager, _plan, _program
+from ._draws import check_draws
 from ._probe import (
     BatchError,
     Resolved,
+    Trainable,
+    batch_signature,
     build_failure,
     check_arguments,
     check_clip,
-    check_draws,
     check_params_unchanged,
     find_modules,
     hooks_reason,
@@ -112,7 +114,8 @@ class Fit:
         self._clip = clip
         self._random_ops: tuple[str, ...] | None = None  # set when loss_fn draws (dropout)
         self._verified: set[tuple] = set()  # programs whose first step drew as eagerly
-        self._probed: set[tuple] = set()
+        self._probed: dict[tuple, frozenset[int]] = {}  # batch signature -> unused parameters
+        self._unused: frozenset[int] = frozenset()  # ids of those the call's loss leaves unused
         self._loss_dtype = torch.float32
         self._program: Any = None
         self._nans: dict[tuple, torch.Tensor] = {}
@@ -138,13 +141,13 @@ class Fit:
         self._rnn = self._resolved is not None and self._resolved.rnn
 
     def _layout(self) -> StateLayout:
-        """The state layout of the parameters that require grad (torch skips the others)."""
+        """The state layout of the parameters updated (torch skips the others)."""
         keys = self._rule.keys if self._rule else lambda g: ()
-        return StateLayout(self.optimizer, self._train, keys)
+        return StateLayout(Trainable(self.optimizer, self._unused), self._train, keys)
 
     def _read_trainable(self) -> None:
-        """Which parameters require grad now: a program serves one such set."""
-        mask = tuple(p.requires_grad for p in self._params)
+        """The parameters updated now (requiring grad, with a gradient): a program for each set."""
+        mask = tuple(p.requires_grad and id(p) not in self._unused for p in self._params)
         if mask != self._mask:
             self._mask = mask
             self._train = [p for p, m in zip(self._params, mask) if m]
@@ -172,7 +175,7 @@ class Fit:
         return _program.Body(
             r.wrapper,
             tuple(n for n, m in zip(r.names, self._mask) if m),
-            tuple(r.others),
+            (*r.others, *(n for n, p in zip(r.names, self._params) if id(p) in self._unused)),
             self._rule.update,
             [(sl, keys, hyper(g)) for g, sl, keys in self._state.groups()],
             self.chunk,
@@ -346,23 +349,21 @@ class Fit:
         return finish(trace, self.opts, start)
 
     def _probe(self, batch: tuple) -> None:
-        """Check ``loss_fn`` on this batch once per batch signature; changes nothing."""
-        sig = tuple(
-            (tuple(b.shape), b.dtype, b.device) if isinstance(b, torch.Tensor) else repr(b)
-            for b in batch
-        )
-        if sig in self._probed:
-            return
-        got = probe_loss(self.loss_fn, self._train, self._modules, batch)
+        """Check ``loss_fn`` on this batch once per batch signature (changes nothing); the
+        parameters it leaves without a gradient are left out of the program."""
+        sig = batch_signature(batch)
+        if sig not in self._probed:
+            self._probed[sig] = self._probe_new(batch)
+        self._unused = self._probed[sig]
+        self._read_trainable()
+
+    def _probe_new(self, batch: tuple) -> frozenset[int]:
+        """`_probe` on a new batch signature: the ids of the parameters it leaves unused."""
+        grad = [p for p in self._params if p.requires_grad]
+        got = probe_loss(self.loss_fn, grad, self._modules, batch)
         self._loss_dtype = got.dtype
-        if got.unused and self.mode == "fused":
-            # The plain loop skips a parameter without a gradient (no weight decay, no
-            # momentum); the fused program's gradients would be zeros, which is not the same.
-            self._fall_back(
-                f"loss_fn does not use {got.unused} of the optimizer's {len(self._params)} "
-                "parameters on this batch (torch.optim skips them, stepwise does too); "
-                "pass mode='stepwise' to silence this warning."
-            )
+        if all(got.unused) and self.mode == "fused":  # only parameters it does not hold
+            self._fall_back("loss_fn uses none of the optimizer's parameters on this batch.")
         if (self._plan is None and self.mode == "fused") or (got.draws and self.chunk > 1):
             # With random draws (dropout) one step a chunk: see `_plan.choose`.
             self._plan = _plan.choose(
@@ -371,7 +372,7 @@ class Fit:
             self.chunk = self._plan.chunk
         if got.draws:
             self._random_ops = (*(self._random_ops or ()), *got.random_ops)
-        self._probed.add(sig)
+        return frozenset(id(p) for p, u in zip(grad, got.unused) if u)
 
     @property
     def plan(self) -> dict[str, Any]:
@@ -529,7 +530,9 @@ def _host_losses(buf: torch.Tensor, kept: int) -> np.ndarray:
     return buf[:kept].detach().to("cpu", torch.float64 if wide else torch.float32).numpy()
 
 
-@shared_doc
+@shared_doc_of(
+    "steps", "tol", "record_every", "callback", "every", "progress", "on_nonfinite", "mode"
+)
 def fuse(
     loss_fn: Callable[..., torch.Tensor],
     optimizer: torch.optim.Optimizer,
@@ -552,7 +555,7 @@ def fuse(
     Args:
       loss_fn: ``loss_fn(*batch) -> scalar tensor``; it uses the model (e.g. a closure).
       optimizer: a ``torch.optim.Optimizer`` over the model's parameters. The fused mode
-        runs every ``torch.optim`` optimizer but Adafactor, LBFGS and SparseAdam with
+        runs every ``torch.optim`` optimizer but LBFGS and SparseAdam with
         torch's own update functions; those, and optimizers from elsewhere, run stepwise
         with a warning that says why.
       model: the ``nn.Module`` holding the parameters; found automatically when

@@ -23,20 +23,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._core import fail
 from ._rules import HANDLED, IGNORED_GROUP_KEYS, SUPPORTED_OPTIMIZERS, Rule, refusal
-from ._state import put_back, restore, snapshot
+from ._state import put_back
 
 __all__ = [
     "BatchError",
+    "batch_signature",
     "Probed",
     "Resolved",
     "Trainable",
     "build_failure",
     "check_clip",
-    "check_draws",
     "check_arguments",
     "check_params_unchanged",
     "cuda_devices",
-    "draws_mismatch",
     "error_text",
     "find_modules",
     "hold_buffers",
@@ -127,6 +126,8 @@ def resolve(
             f"{type(optimizer).__name__} has no fused update rule here (supported: "
             f"{', '.join(SUPPORTED_OPTIMIZERS)})."
         )
+    if rule.cpu_only and any(p.device.type != "cpu" for p in params):
+        return rule.cpu_only
     unhandled = sorted(set(optimizer.defaults) - HANDLED[type(optimizer)] - set(IGNORED_GROUP_KEYS))
     if unhandled:
         return (
@@ -285,13 +286,21 @@ class _RandomOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def batch_signature(batch: tuple) -> tuple:
+    """What a probe of ``loss_fn`` on ``batch`` holds for (shapes, dtypes, devices)."""
+    return tuple(
+        (tuple(b.shape), b.dtype, b.device) if isinstance(b, torch.Tensor) else repr(b)
+        for b in batch
+    )
+
+
 class Probed(NamedTuple):
     """What one forward and backward of ``loss_fn`` on a batch showed."""
 
     dtype: torch.dtype
     """The loss's dtype."""
-    unused: int
-    """Optimizer parameters without a gradient on this batch."""
+    unused: tuple[bool, ...]
+    """Per parameter probed: whether it has no gradient on this batch."""
     draws: bool
     """Whether the forward drew random numbers (dropout)."""
     random_ops: tuple[str, ...] = ()
@@ -345,8 +354,8 @@ def probe_loss(
 
 def _check_loss(
     loss_fn: Callable[..., Any], params: Sequence[torch.Tensor], batch: tuple
-) -> tuple[torch.dtype, int]:
-    """``(loss dtype, parameters without a gradient)`` of one forward and backward."""
+) -> tuple[torch.dtype, tuple[bool, ...]]:
+    """``(loss dtype, per parameter: no gradient)`` of one forward and backward."""
     with torch.enable_grad():
         try:
             loss = loss_fn(*batch)
@@ -394,7 +403,7 @@ def _check_loss(
                 "Compute the loss from the model whose parameters the optimizer holds.",
             )
         grads = torch.autograd.grad(loss, params, allow_unused=True)
-    return loss.dtype, sum(g is None for g in grads)
+    return loss.dtype, tuple(g is None for g in grads)
 
 
 def transient(error: BaseException | None) -> bool:
@@ -415,11 +424,12 @@ def transient(error: BaseException | None) -> bool:
 
 class Trainable:
     """The optimizer as the fused program updates it: each group with only its parameters
-    that require grad. torch.optim skips a frozen parameter (no gradient: no update, no
+    that require grad and are not in ``unused`` (ids of those the batch's loss leaves
+    without a gradient). torch.optim skips a parameter without a gradient (no update, no
     state, no weight decay); the program leaves it out (a constant of the loss)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self.optimizer = optimizer
+    def __init__(self, optimizer: torch.optim.Optimizer, unused: frozenset[int] = frozenset()):
+        self.optimizer, self.unused = optimizer, unused
 
     def __getattr__(self, name: str) -> Any:  # anything else: the optimizer's own
         return getattr(self.optimizer, name)
@@ -431,7 +441,10 @@ class Trainable:
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return [
-            {**g, "params": [p for p in g["params"] if p.requires_grad]}
+            {
+                **g,
+                "params": [p for p in g["params"] if p.requires_grad and id(p) not in self.unused],
+            }
             for g in self.optimizer.param_groups
         ]
 
@@ -524,77 +537,3 @@ def check_params_unchanged(
             "requires_grad=False after the fit was built); unfreeze some to train "
             "(nothing was run or changed)."
         )
-
-
-def draws_mismatch(
-    eager: Sequence[torch.Tensor],
-    fused: Sequence[torch.Tensor],
-    rng_eager: Sequence[torch.Tensor],
-    rng_fused: Sequence[torch.Tensor],
-    ops: Sequence[str],
-) -> str | None:
-    """Why the fused program's first step does not draw what the plain loop's draws, or
-    None: ``eager`` and ``fused`` are the step's new parameters and buffers, and
-    the random states after it must be bitwise equal (the same draws from the same
-    generator); values loosely (other masks change them far beyond rounding)."""
-    what = ", ".join(ops) or "random ops"
-    head = (
-        f"loss_fn draws random numbers ({what}) and the fused program's first step did not "
-        "draw what the plain loop draws"
-    )
-    tail = (
-        "; a random op compiled by inductor does not use torch's generator as eagerly (e.g. "
-        "scaled_dot_product_attention with dropout_p > 0, as nn.MultiheadAttention and "
-        "nn.TransformerEncoderLayer with dropout run it, draws its mask inside the fused "
-        "attention kernel eagerly). Pass mode='stepwise' to silence this warning."
-    )
-    if any(not torch.equal(a, b) for a, b in zip(rng_eager, rng_fused)):
-        return f"{head} (the random state after it differs){tail}"
-    for a, b in zip(eager, fused):
-        a, b = a.detach().to("cpu", torch.float64), b.detach().to("cpu", torch.float64)
-        if not torch.allclose(a, b, rtol=1e-4, atol=1e-6, equal_nan=True):
-            return f"{head} (the random state after it is the same, the parameters or buffers not){tail}"
-    return None
-
-
-def check_draws(fit: Any, batch: tuple) -> bool | str:
-    """Whether a `stepfuse.torch.Fit`'s program draws what the plain loop draws, for a
-    ``loss_fn`` that draws random numbers (dropout): True, a fallback reason, or False
-    where it cannot be checked on this call (a non-finite step: the call runs stepwise).
-
-    The program's first step runs against an eager step from the same parameters, state,
-    buffers and random state (after one eager step where torch has no optimizer state
-    yet); the random states after them must be bitwise equal. Everything is put back."""
-    params = fit._params
-    values, snap = [p.detach().clone() for p in params], snapshot(fit.optimizer, params)
-    held = hold_buffers(fit._modules)
-    cuda = cuda_devices([*params, *batch])
-    try:
-        with torch.random.fork_rng(devices=cuda):
-            if not fit._state.ready():  # torch creates the state: one eager step first
-                _, finite, token = fit._propose(batch)
-                if not finite:
-                    return False
-                fit._commit(token)
-                fit.step -= 1
-            start = rng_states(cuda)
-            at = hold_buffers(fit._modules)
-            _, finite, token = fit._propose(batch)
-            eager_rng = rng_states(cuda)
-            eager_b = [b.detach().clone() for b in fit._buffers()]
-            put_back(at)
-            if not finite:
-                return False
-            set_rng_states(cuda, start)
-            nan = torch.tensor(math.nan, dtype=fit._loss_dtype, device=params[0].device)
-            out = fit._segment(1, 0, nan)
-            fused_rng = rng_states(cuda)
-    finally:
-        with torch.no_grad():
-            for p, v in zip(params, values):
-                p.copy_(v)
-        restore(fit.optimizer, params, snap)
-        put_back(held)
-    eager = [*(v for v, m in zip(token[0], fit._mask) if m), *eager_b]
-    fused = [*out.carry.params, *out.carry.buffers]
-    return draws_mismatch(eager, fused, eager_rng, fused_rng, fit._random_ops) or True

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils import _pytree
 
 from .._core import Flow, ceil_div, loop
+from ._draws import exact_draws
 from ._ops import TORCH
 
 __all__ = [
@@ -462,10 +463,12 @@ def run_program(
     # Without autograd around it: parameters the optimizer does not hold may require grad,
     # and the loop must not be recorded for a backward (torch.func.grad still works inside).
     with torch.no_grad():
-        if rnn and program.direct is None:
-            with traceable(rnn):
-                return program(n, i0, base, prev, nslots, params, states, buffers, batch)
-        return program(n, i0, base, prev, nslots, params, states, buffers, batch)
+        if program.direct is not None:  # the compiled code, called directly
+            return program(n, i0, base, prev, nslots, params, states, buffers, batch)
+        # Through torch.compile (tracing on the first call): recurrent layers made
+        # traceable, dropout drawing the plain loop's masks (`stepfuse.torch._draws`).
+        with traceable(rnn), exact_draws():
+            return program(n, i0, base, prev, nslots, params, states, buffers, batch)
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

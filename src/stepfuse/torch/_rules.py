@@ -4,8 +4,9 @@ The fused program calls these on copies of the parameters and state: each rule i
 function ``torch.optim`` itself runs in ``step()``, with a group's hyper-parameters as
 Python values (`hyper`), so the fused mode updates exactly as the optimizer does. SGD,
 Adam, AdamW, RMSprop and Adagrad are here; ASGD, Adadelta, Adamax, NAdam, RAdam and
-Rprop and Muon in `stepfuse.torch._optimizers`. `refusal` says why the others (Adafactor,
-LBFGS, SparseAdam) run stepwise, and `check_group` refuses, before anything is compiled,
+Rprop and Muon in `stepfuse.torch._optimizers`; Adafactor, whose update the program calls
+eagerly through a custom op, in `stepfuse.torch._adafactor`. `refusal` says why the others
+(LBFGS, SparseAdam) run stepwise, and `check_group` refuses, before anything is compiled,
 the options whose ``step()`` raises in the plain loop too. Muon's rule (`MUON_RULE`)
 equals eager torch only under extra inductor options (`Rule.inductor`), which the compiled
 program applies over its own.
@@ -19,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _optimizers
+from . import _adafactor, _optimizers
 
 __all__ = [
     "HANDLED",
@@ -30,6 +31,7 @@ __all__ = [
     "Rule",
     "SUPPORTED_OPTIMIZERS",
     "check_group",
+    "held",
     "hyper",
     "placeholder",
     "refusal",
@@ -165,6 +167,9 @@ class Rule(NamedTuple):
     inductor: Mapping[str, Any] = MappingProxyType({})
     """Inductor options the fused program needs on top of its own for this rule to equal
     eager torch (Muon's: `stepfuse.torch._optimizers.MUON_INDUCTOR`)."""
+    cpu_only: str | None = None
+    """Why the rule runs fused on the CPU only, or None: the fallback reason for
+    parameters on another device."""
 
 
 RULES: dict[type, Rule] = {
@@ -195,6 +200,16 @@ MUON_RULE = Rule(
 )
 """Muon's rule: it equals eager torch only under its `Rule.inductor` options."""
 RULES[torch.optim.Muon] = MUON_RULE
+RULES[torch.optim.Adafactor] = Rule(
+    _fixed_keys(_adafactor.KEYS),
+    _adafactor.update,
+    False,
+    cpu_only=(
+        "Adafactor's update reads the step count and norms on the host at every step; the "
+        "fused program calls torch's own update eagerly from inside the loop, which a CUDA "
+        "graph cannot capture, so on a GPU it runs stepwise."
+    ),
+)
 SUPPORTED_OPTIMIZERS = tuple(c.__name__ for c in RULES)
 """The ``torch.optim`` classes the fused mode runs; any other optimizer runs stepwise."""
 
@@ -247,8 +262,10 @@ HANDLED: dict[type, set[str]] = {
     torch.optim.Rprop: {"lr", "etas", "step_sizes", "maximize"},
 }
 HANDLED[torch.optim.AdamW] = HANDLED[torch.optim.Adam]
+HANDLED[torch.optim.Adafactor] = {"lr", "beta2_decay", "eps", "d", "weight_decay", "maximize"}
 
 IGNORED_GROUP_KEYS = ("params", "foreach", "fused", "capturable", "differentiable", "initial_lr")
+_PASSED_KEYS = ("foreach",)  # not an option a rule must read, but passed (Adafactor reads it)
 
 
 def hyper(group: dict) -> dict[str, Any]:
@@ -257,7 +274,7 @@ def hyper(group: dict) -> dict[str, Any]:
     check_group(group)
     out = {}
     for k, v in group.items():
-        if k in IGNORED_GROUP_KEYS:
+        if k in IGNORED_GROUP_KEYS and k not in _PASSED_KEYS:
             continue
         if isinstance(v, torch.Tensor):
             v = v.item() if v.numel() == 1 else tuple(v.tolist())
@@ -268,15 +285,6 @@ def hyper(group: dict) -> dict[str, Any]:
 
 
 NOT_FUSED: dict[type, str] = {
-    torch.optim.Adafactor: (
-        "Adafactor's update (torch's single-tensor and foreach forms alike; it has no "
-        "capturable form) reads values on the host at every step: the step count and the "
-        "norms of each parameter and of its update (.item()), which set its step sizes "
-        "through Python's min / max. Compiled, those reads become data-dependent scalars, "
-        "and inductor then cannot lower the update: its lerp_ with the weight "
-        "step ** beta2_decay picks one of two formulas by that weight (>= 0.5), which it "
-        "cannot decide at compile time (GuardOnDataDependentSymNode), so it runs stepwise."
-    ),
     torch.optim.LBFGS: (
         "LBFGS's step(closure) evaluates the loss and gradients a data-dependent number of "
         "times per step (up to max_iter / max_eval, stopping on tolerance_grad and "
@@ -341,9 +349,19 @@ def placeholder(optimizer: Any, key: str, p: torch.Tensor, group: dict) -> torch
     ``optimizer`` may also be a view of one that holds it as ``.optimizer``."""
     real = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer.optimizer
     cls = type(real)
+    if cls is torch.optim.Adafactor:
+        return _adafactor.placeholder(key, p)
     if cls in _optimizers.KEYS:
         return _optimizers.placeholder(cls, key, p, group)
     if key == "step":
         on_device = group.get("capturable", False) or group.get("fused", False)
         return torch.zeros((), dtype=scalar_dtype(), device=p.device if on_device else "cpu")
     return torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def held(optimizer: Any, key: str, p: torch.Tensor) -> bool:
+    """Whether ``optimizer``'s class keeps state ``key`` for parameter ``p``: every key of
+    its rule but Adafactor's factored ones (`stepfuse.torch._adafactor.held`). A key a
+    parameter has not is carried as an empty tensor and never written back."""
+    real = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer.optimizer
+    return type(real) is not torch.optim.Adafactor or _adafactor.held(key, p)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._rules import held as _held
 from ._rules import placeholder as _placeholder
 
 __all__ = ["StateLayout", "all_finite", "host_loss", "put_back", "restore", "snapshot"]
@@ -92,15 +93,14 @@ def _values(t: torch.Tensor) -> torch.Tensor:
 class StateLayout:
     """The optimizer state of ``params`` flattened in the order (group, key, parameter).
 
-    ``params`` are the optimizer's parameters that require grad, in its order (torch.optim
-    skips the others: no state, no update); ``keys_of(group)`` names the state keys of a
-    group (the update rule's, `Rule.keys`). Read from the optimizer as it is now at every
-    call, so a changed group is seen.
+    ``keys_of(group)`` names the state keys of a group (the update rule's, `Rule.keys`).
+    Read from the optimizer as it is now at every call, so a changed group is seen;
+    ``optimizer`` may be a view of one (`stepfuse.torch._probe.Trainable`).
     """
 
     def __init__(
         self,
-        optimizer: torch.optim.Optimizer,
+        optimizer: Any,
         params: Sequence[torch.Tensor],
         keys_of: Callable[[dict], tuple[str, ...]],
     ):
@@ -125,6 +125,7 @@ class StateLayout:
             for _g, sl, keys in self.groups()
             for p in self.params[sl]
             for k in keys
+            if _held(self.optimizer, k, p)
         )
 
     def tensors(self, placeholder: bool) -> list[torch.Tensor]:
@@ -135,7 +136,9 @@ class StateLayout:
             for k in keys:
                 for p in self.params[sl]:
                     v = self.optimizer.state[p].get(k) if p in self.optimizer.state else None
-                    if v is None:
+                    if not _held(self.optimizer, k, p):  # a key this parameter never has
+                        v = _placeholder(self.optimizer, k, p, g)  # (empty: Adafactor's)
+                    elif v is None:
                         if not placeholder:
                             raise RuntimeError("optimizer state missing")
                         # shaped, typed and placed as torch creates it (0-dim `step`, ASGD's
@@ -155,7 +158,9 @@ class StateLayout:
                 for k in keys:
                     for p in self.params[sl]:
                         cur = self.optimizer.state[p]
-                        if isinstance(cur.get(k), torch.Tensor):
+                        if not _held(self.optimizer, k, p):
+                            pass
+                        elif isinstance(cur.get(k), torch.Tensor):
                             cur[k].copy_(states[i])
                         else:
                             like = _placeholder(self.optimizer, k, p, g)
