@@ -182,7 +182,6 @@ class Sync:
         }
         self.ignored_names: frozenset[str] = frozenset()
         self.bcast_names: frozenset[str] = frozenset()
-        self.is_src = torch.tensor(self.rank == 0)
 
     def _ignored_params(self) -> list[torch.Tensor]:
         return [
@@ -213,8 +212,6 @@ class Sync:
         self.bcast_names = frozenset(
             n for n, b in wrapper.named_buffers(remove_duplicate=False) if id(b) in bcast
         )
-        if self.is_src.device != device:
-            self.is_src = self.is_src.to(device)
 
     # -- inside the compiled program (traced) -----------------------------------------------
 
@@ -228,7 +225,8 @@ class Sync:
             return list(bs)
         idx.sort(key=lambda i: -bs[i].element_size())  # each piece stays aligned
         flat = _flat_bytes([bs[i] for i in idx])
-        flat = torch.where(self.is_src, flat, torch.zeros_like(flat))
+        if self.rank != 0:  # each rank compiles its own program: a constant in it
+            flat = torch.zeros_like(flat)
         flat = fc.all_reduce(flat, "sum", self.group)
         out = list(bs)
         for i, t in zip(idx, _from_bytes(flat, [bs[i] for i in idx])):
