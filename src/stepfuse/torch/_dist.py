@@ -117,7 +117,7 @@ def _sync_buffers(ddp: Any) -> bool:
 
 
 @contextlib.contextmanager
-def unwrapped(ddps: Sequence[nn.Module]) -> Iterator[None]:
+def unwrapped(ddps: Sequence[Any]) -> Iterator[None]:
     """Have each DDP module's forward call its ``module`` directly (no reducer, no
     broadcast, no hooks of DDP's own) for as long as the context lasts."""
     if not ddps:
@@ -134,6 +134,11 @@ def unwrapped(ddps: Sequence[nn.Module]) -> Iterator[None]:
                 d.__dict__.pop("forward", None)
             else:
                 d.__dict__["forward"] = old
+
+
+def _grad_or_zeros(p: torch.Tensor) -> torch.Tensor:
+    g = p.grad
+    return torch.zeros_like(p) if g is None else g
 
 
 def _flat_bytes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -172,12 +177,12 @@ class Sync:
         self.key = (group.group_name, self.world)
         self.exchange: Any = None
         self.checked = False
-        self._ddps = list(ddps)
+        self._ddps: list[Any] = list(ddps)
         self._modules = list(modules)
         self.ignored = {id(p) for p in self._ignored_params()}
         self.find_unused = {
             id(p): bool(d.find_unused_parameters or d.static_graph)
-            for d in ddps
+            for d in self._ddps
             for p in d.module.parameters()
         }
         self.ignored_names: frozenset[str] = frozenset()
@@ -306,11 +311,7 @@ class Sync:
             buckets.setdefault(p.dtype, []).append(i)
         flats = []
         for idx in buckets.values():
-            parts = [
-                (avg[i].grad if avg[i].grad is not None else torch.zeros_like(avg[i])).reshape(-1)
-                * self.scale
-                for i in idx
-            ]
+            parts = [_grad_or_zeros(avg[i]).reshape(-1) * self.scale for i in idx]
             flat = torch.cat(parts)
             dist.all_reduce(flat, group=self.group)
             flats.append((idx, flat))

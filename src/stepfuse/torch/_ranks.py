@@ -337,9 +337,7 @@ def agree_eager(fit: Any, eager: bool) -> bool:
     sync: Sync | None = fit._sync
     if sync is None or fit._random_ops is None:
         return eager
-    got = sync.exchange.share(
-        3, {"eager": eager, "mode": fit.mode, "reason": fit.fallback_reason}
-    )
+    got = sync.exchange.share(3, {"eager": eager, "mode": fit.mode, "reason": fit.fallback_reason})
     _follow(fit, got)
     return fit.mode == "stepwise" or any(g["eager"] for g in got)
 

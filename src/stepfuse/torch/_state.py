@@ -19,7 +19,15 @@ import torch
 from ._rules import held as _held
 from ._rules import placeholder as _placeholder
 
-__all__ = ["StateLayout", "all_finite", "host_loss", "host_losses", "put_back", "restore", "snapshot"]
+__all__ = [
+    "StateLayout",
+    "all_finite",
+    "host_loss",
+    "host_losses",
+    "put_back",
+    "restore",
+    "snapshot",
+]
 
 Snapshot = dict[torch.Tensor, dict[str, Any]]
 
