@@ -48,21 +48,26 @@ def fit_mode(run: Any) -> str:
 
 
 def time_call(
-    run: Callable[[int], object], n: int, repeats: int = 5, min_time: float = 0.02
+    run: Callable[[int], object],
+    n: int,
+    repeats: int = 5,
+    min_time: float = 0.02,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> float:
     """Best seconds per step of ``run(n)`` over ``repeats`` timed samples (after one warm-up).
 
     A sample repeats ``run(n)`` until it has taken ``min_time`` (a short call, such as
     one ``sess.run`` of one step, is far below the timer's and the machine's noise) and
-    counts the mean of its calls.
+    counts the mean of its calls. ``clock``: wall time by default; ``time.thread_time``
+    (the calling thread's CPU time) leaves out what other processes take of the CPU.
     """
     best = float("inf")
     for r in range(repeats):
-        calls, t0 = 0, time.perf_counter()
+        calls, t0 = 0, clock()
         while True:
             run(n)
             calls += 1
-            dt = time.perf_counter() - t0
+            dt = clock() - t0
             if dt >= min_time or calls >= 10_000:
                 break
         best = min(best, dt / calls)
@@ -98,6 +103,7 @@ def measure(
     steps_for: dict[str, int] | None = None,
     min_seconds: float = 0.0,
     max_rounds: int = 40,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[Result]:
     """Build, warm up and time each contender on ``n`` steps; ratios are to ``reference``.
 
@@ -107,7 +113,8 @@ def measure(
     Interleaved rounds go on after ``repeats`` until every contender has been timed for
     ``min_seconds`` (at most ``max_rounds``): short calls need many samples here (TF1,
     the seed, N = 1, stepfuse's time over the N-copies graph's: 0.96 to 1.20 over five
-    runs of five 20 ms samples each; 0.97 in both of two runs of thirty).
+    runs of five 20 ms samples each; 0.97 in both of two runs of thirty). ``clock`` times
+    the samples (`time_call`); the first call is always wall time.
     """
     runs, results = {}, {}
     for name, build in contenders.items():
@@ -125,7 +132,7 @@ def measure(
         for name, (run, m) in runs.items():  # interleave the contenders
             t0 = time.perf_counter()
             results[name].us_per_step = min(
-                results[name].us_per_step, 1e6 * time_call(run, m, repeats=1)
+                results[name].us_per_step, 1e6 * time_call(run, m, repeats=1, clock=clock)
             )
             spent[name] += time.perf_counter() - t0
         rounds += 1

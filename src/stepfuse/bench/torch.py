@@ -11,9 +11,9 @@ full compile for the first N of a size and only the warm-up call for the others.
 Timing continues the training from where the previous N left off (SGD on these
 problems stays finite for far longer than the benchmark runs).
 
-The model sizes (``cnn``: Conv2d + BatchNorm2d; ``lstm``) time stepfuse against the eager
-loop only; a fit that cannot fuse such a model runs stepwise, and its mode is printed
-next to its time.
+The model sizes (``cnn``: Conv2d + BatchNorm2d; ``lstm``) time the same three contenders;
+a fit that cannot fuse such a model runs stepwise, and its mode is printed next to its
+time.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from .problems import (  # noqa: E402
 
 CONTENDERS = ("stepfuse", "eager per step", "torch.compile of one step")
 MODEL_SIZES = ("cnn", "lstm")
-MODEL_CONTENDERS = ("stepfuse", "eager per step")
+MODEL_CONTENDERS = ("stepfuse", "eager per step", "torch.compile of one step")
 """The contenders of the model sizes (`stepfuse.bench.problems.MODEL_SIZES`)."""
 
 NOTES = {
@@ -61,8 +61,8 @@ MAX_TIMED = {  # size -> contender -> at most this many steps per timed call
     "seed": {"eager per step": 100, "torch.compile of one step": 300},
     "mlp": {"stepfuse": 200, "eager per step": 30, "torch.compile of one step": 30},
     "wide": {"stepfuse": 10, "eager per step": 5, "torch.compile of one step": 5},
-    "cnn": {"stepfuse": 100, "eager per step": 30},
-    "lstm": {"stepfuse": 100, "eager per step": 30},
+    "cnn": {"stepfuse": 1000, "eager per step": 30, "torch.compile of one step": 30},
+    "lstm": {"stepfuse": 1000, "eager per step": 30, "torch.compile of one step": 30},
 }
 """Caps on the steps of one timed call, so ``stepfuse bench --quick`` stays short on a
 small CPU (the per-step time is what is compared; the ``N`` column of a result is the
@@ -126,7 +126,7 @@ class LSTMNet(nn.Module):
         return self.head(out[:, -1])
 
 
-def model_contenders(size: str, n: int, lr: float = 0.01) -> Any:
+def model_contenders(size: str, n: int, lr: float = 0.01, chunk: int | None = None) -> Any:
     """Builders for a model size: stepfuse against the plain eager loop. The fit is not
     required to fuse: its mode as it ran is reported with its time (`fit_mode`)."""
     xn, yn = model_data(size)
@@ -147,10 +147,11 @@ def model_contenders(size: str, n: int, lr: float = 0.01) -> Any:
                     opt,
                     steps=max(n, FUSED_CAPACITY),
                     model=net,
+                    chunk=chunk,
                 )
             return fit
 
-        fit = _cached(("stepfuse", size, lr, None), build)
+        fit = _cached(("stepfuse", size, lr, chunk), build)
 
         def run(m):
             with warnings.catch_warnings():
@@ -160,7 +161,13 @@ def model_contenders(size: str, n: int, lr: float = 0.01) -> Any:
         run.fit = fit  # type: ignore[attr-defined]  # its mode goes next to its time
         return run
 
-    builders = {"stepfuse": stepfuse, "eager per step": lambda: _eager(model(), x, y, lr)}
+    builders = {
+        "stepfuse": stepfuse,
+        "eager per step": lambda: _eager(model(), x, y, lr),
+        "torch.compile of one step": lambda: _compiled_step(
+            ("compiled step", size, lr), model, x, y, lr
+        ),
+    }
     return builders, {name: min(n, cap) for name, cap in MAX_TIMED[size].items()}
 
 
@@ -174,6 +181,34 @@ def _eager(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float) -> Any
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             opt.step()
+        return loss.item()
+
+    return run
+
+
+def _compiled_step(key: tuple, model: Any, x: torch.Tensor, y: torch.Tensor, lr: float) -> Any:
+    """``torch.compile`` of the plain step (zero_grad, forward, backward, ``opt.step()``; a
+    graph break at ``backward``), built once per ``key`` and called once per step."""
+
+    def build():
+        net = model()
+        opt = torch.optim.SGD(net.parameters(), lr=lr)
+
+        @torch.compile(fullgraph=False)
+        def step():
+            opt.zero_grad()
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        return step
+
+    step = _cached(key, build)
+
+    def run(m):
+        for _ in range(m):
+            loss = step()
         return loss.item()
 
     return run
@@ -198,7 +233,7 @@ def _cached(key, build):
 def contenders(size: str, n: int, lr: float = 0.01, chunk: int | None = None) -> Any:
     """Builders (see `stepfuse.bench._timing.measure`) for every PyTorch contender on ``size``."""
     if size in MODEL_SIZES:
-        return model_contenders(size, n, lr)
+        return model_contenders(size, n, lr, chunk)
     layers, x, y = data(size)
     kw: dict[str, Any] = {} if chunk is None else {"chunk": chunk}
 
@@ -228,28 +263,7 @@ def contenders(size: str, n: int, lr: float = 0.01, chunk: int | None = None) ->
         return _eager(MLP(layers), x, y, lr)
 
     def compiled_step():
-        def build():
-            model = MLP(layers)
-            opt = torch.optim.SGD(model.parameters(), lr=lr)
-
-            @torch.compile(fullgraph=False)
-            def step():
-                opt.zero_grad()
-                loss = F.cross_entropy(model(x), y)
-                loss.backward()
-                opt.step()
-                return loss
-
-            return step
-
-        step = _cached(("compiled step", size, lr), build)
-
-        def run(m):
-            for _ in range(m):
-                loss = step()
-            return loss.item()
-
-        return run
+        return _compiled_step(("compiled step", size, lr), lambda: MLP(layers), x, y, lr)
 
     builders = {
         "stepfuse": stepfuse,

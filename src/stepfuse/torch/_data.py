@@ -147,6 +147,8 @@ class Fed:
     def room(self, i: int) -> int:
         """Steps from the call's step ``i`` to the next epoch boundary of a shuffled
         `Epochs` (where the program must be given another permutation)."""
+        if not self._epochs:
+            return _NO_EPOCH
         t = self.start + i
         return min(
             (s.steps_per_epoch - t % s.steps_per_epoch for s, _ in self._shuffled),
@@ -173,6 +175,8 @@ class Fed:
     def key(self) -> tuple:
         """What a program for these arguments is specialised to (`_program.batch_key` of
         the inputs, with the slots; an Epochs' seed is an input's value, not part of it)."""
+        if not self.streams:  # the arguments as given: every slot is a fixed one
+            return batch_key(self.args)
         slots = tuple(dataclasses.replace(s, seed=0) for s in self.slots)
         return batch_key(self.inputs(0), slots)
 

@@ -47,7 +47,7 @@ from .._core import (
     run_stepwise,
 )
 from .._core.options import shared_doc_of
-from . import _cuda, _data, _program
+from . import _cuda, _data, _eager, _plan, _program, _ranks
 from ._draws import check_draws
 from ._probe import (
     BatchError,
@@ -59,7 +59,6 @@ from ._probe import (
     check_clip,
     check_params_unchanged,
     find_modules,
-    hold_buffers,
     hooks_reason,
     interrupt_inside,
     needs_closure,
@@ -68,12 +67,11 @@ from ._probe import (
     transient,
 )
 from ._rules import RULES, SUPPORTED_OPTIMIZERS, hyper
-from ._state import StateLayout, all_finite, host_loss, put_back, restore, snapshot
+from ._state import StateLayout, host_losses, put_back, restore
 
 __all__ = ["fuse", "Fit", "FusedFit", "BatchError", "SUPPORTED_OPTIMIZERS"]
 
 _MODES = ("fused", "stepwise")
-_DEFAULT_CHUNK = 4  # steps per while_loop iteration (compile cost grows with it; see the docs)
 _SEGMENT = 512  # at most this many steps per program call (see Fit._cap)
 _GRAPH_CACHE = 4  # programs kept (per batch signature and hyper-parameters)
 _BUILD_TRIES = 2  # a build that failed for a reason outside the model is tried again once
@@ -99,13 +97,15 @@ class Fit:
         optimizer: torch.optim.Optimizer,
         opts: Options,
         model: nn.Module | None,
-        chunk: int,
+        chunk: int | None,
         clip: tuple[float | None, float | None] = (None, None),
     ):
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.opts = opts
-        self.chunk = chunk
+        self._chunk = chunk  # as given to fuse (None: `_plan.choose` picks it)
+        self.chunk = chunk if chunk is not None else 1
+        self._plan: _plan.Plan | None = None
         self.step = 0
         self.compiles = 0
         self.fallback_reason: str | None = None
@@ -118,6 +118,8 @@ class Fit:
         self._unused: frozenset[int] = frozenset()  # ids of those the call's loss leaves unused
         self._loss_dtype = torch.float32
         self._program: Any = None
+        self._nans: dict[tuple, torch.Tensor] = {}
+        self._submodules: list[nn.Module] | None = None  # `_training`
         self._program_key: tuple | None = None
         self._captured: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
         self._fed = _data.Fed((), torch.device("cpu"), 0, 0)  # the call's arguments (`__call__`)
@@ -128,6 +130,7 @@ class Fit:
         self._mask = tuple(True for _ in self._params)
         self._state = self._layout()
         self._needs_closure = needs_closure(optimizer)
+        self._sync: Any = None  # the average over ranks of a call (`_ranks.collective`)
         if self.mode == "fused":
             got = resolve(
                 loss_fn, optimizer, self._rule, self._modules, self._params, model is not None
@@ -186,16 +189,24 @@ class Fit:
             *self._clip,
             self._rnn,
             self._fed.pick,
+            sync=self._sync,
         )
 
-    def _compile(self, fn: Callable, kind: str, inductor_options: dict[str, Any]) -> Callable:
-        """``torch.compile`` of ``fn`` with inductor, counting each compilation in `compiles`."""
+    def _compile(
+        self,
+        fn: Callable,
+        kind: str,
+        inductor_options: dict[str, Any],
+        sink: list | None = None,
+    ) -> Callable:
+        """``torch.compile`` of ``fn`` with inductor, counting each compilation in `compiles`
+        (``sink``: `_program.compile_fn`'s)."""
 
         def count() -> None:
             self.compiles += 1
 
         options = {**inductor_options, **(self._rule.inductor if self._rule else {})}  # Muon's
-        return _program.compile_fn(fn, f"stepfuse_{kind}_{id(self):x}", options, count)
+        return _program.compile_fn(fn, f"stepfuse_{kind}_{id(self):x}", options, count, sink)
 
     def _build(
         self,
@@ -222,7 +233,7 @@ class Fit:
             if not s.fused_kernels:
                 self.compiles += 1  # the eager capture is this build's program
             return s
-        program = _program.build_program(self._body(capturable=False), self._compile)
+        program = _program.Program(self._body(capturable=False), self._compile, prev.device)
         # n=0: compiles without running a step; nothing changes.
         re = self.opts.record_every
         _program.run_program(
@@ -240,7 +251,8 @@ class Fit:
         outside the model (`_probe.transient`) is tried again before the fit falls back; a
         fallback's reason holds the whole error.
         """
-        key = (self._hyper_key(), self._fed.key, self._mask)
+        sync = self._sync and self._sync.key
+        key = (self._hyper_key(), self._fed.key, self._mask, self._training(), sync)
         if self._program is not None and self._program_key == key:
             return
         if key in self._captured:
@@ -278,6 +290,12 @@ class Fit:
         while len(self._captured) > _GRAPH_CACHE:
             self._captured.popitem(last=False)
 
+    def _training(self) -> tuple[bool, ...]:
+        """The modules' training flags (a program is traced in one mode: dropout, BatchNorm)."""
+        if self._submodules is None:  # the modules as the first program was built for
+            self._submodules = [m for top in self._modules for m in top.modules()]
+        return tuple(m.training for m in self._submodules)
+
     def _hyper_key(self) -> tuple:
         """Every group's hyper-parameters (compiled into the fused program)."""
         return tuple(tuple(sorted(h.items())) for h in map(hyper, self.optimizer.param_groups))
@@ -294,6 +312,7 @@ class Fit:
 
     # -- one call ----------------------------------------------------------------------------
 
+    @_ranks.collective
     def __call__(self, *batch: Any, steps: int | None = None) -> Trace:
         """Run ``steps`` (default: the ``steps`` given to `fuse`) updates on ``batch``.
 
@@ -309,31 +328,28 @@ class Fit:
         self._fed = _data.Fed(batch, self._params[0].device, self.step, n)  # checks the streams
         self._read_trainable()
         grads_before = [p.grad for p in self._params]
-        snap = snapshot(self.optimizer, self._params)
-        before = [p.detach().clone() for p in self._params]
         if self.mode == "fused":
             reason = hooks_reason(self.optimizer, self._params, self._modules)
             if reason is not None:
                 self._fall_back(f"{reason}; pass mode='stepwise' to silence this warning.")
         self._probe(self._fed.at(0))  # a step's own arguments (the first minibatch)
+        _ranks.agree_setup(self, n)  # several ranks: the same call on each (`_ranks`)
         start = self.step
         if self.mode == "fused":
             self._ensure_program()
+        _ranks.agree_mode(self)
         # A fit whose loss draws runs a call fused once its program drew as eagerly.
         eager = self.mode == "stepwise" or not self._draws_verified(self._fed.at(0))
+        eager = _ranks.agree_eager(self, eager)
+        # No snapshot to restore after an error: parameters, optimizer state and `step`
+        # change only together, in `_commit` and after a program call (under
+        # `deferred_interrupts`); a program call itself writes nothing of the user's, and a
+        # refused or failed step is undone where it ran (`_propose`, `check_draws`).
         try:
             if eager:
                 trace = self._call_stepwise(n, start)
             else:
                 trace = self._call_fused(n, start)
-        except BaseException:
-            if self.mode == "fused" and self.step == start:
-                # nothing was applied: leave parameters and state exactly as they were
-                with torch.no_grad():
-                    for p, v in zip(self._params, before):
-                        p.copy_(v)
-                restore(self.optimizer, self._params, snap)
-            raise
         finally:
             for p, g in zip(self._params, grads_before):
                 p.grad = g
@@ -355,14 +371,23 @@ class Fit:
         self._loss_dtype = got.dtype
         if all(got.unused) and self.mode == "fused":  # only parameters it does not hold
             self._fall_back("loss_fn uses none of the optimizer's parameters on this batch.")
-        if got.draws and self.chunk > 1:
-            # Each step of a chunk runs its forward pass, also the masked steps after the
-            # call's last one: with random draws (dropout) those would advance the random
-            # state past the plain loop's. One step a chunk draws exactly what the steps run.
-            self.chunk = 1
+        if (self._plan is None and self.mode == "fused") or (got.draws and self.chunk > 1):
+            # With random draws (dropout) one step a chunk: see `_plan.choose`.
+            self._plan = _plan.choose(
+                self._chunk, self.loss_fn, self._modules, batch, self._rnn, got.draws, self._cuda
+            )
+            self.chunk = self._plan.chunk
         if got.draws:
             self._random_ops = (*(self._random_ops or ()), *got.random_ops)
         return frozenset(id(p) for p, u in zip(grad, got.unused) if u)
+
+    @property
+    def plan(self) -> dict[str, Any]:
+        """How the fused program runs (`_plan.describe`): ``chunk`` and why, the step's size
+        it was chosen from, whether calls run the compiled code directly, steps a call."""
+        program = self._program
+        direct = isinstance(program, _program.Program) and program.direct is not None
+        return _plan.describe(self._plan, self.chunk, direct, self._cap)
 
     def _draws_verified(self, batch: tuple) -> bool:
         """Whether the fused program may run this call (`_probe.check_draws`)."""
@@ -381,52 +406,10 @@ class Fit:
 
     # stepwise: the optimizer's own step(), eagerly -------------------------------------------
 
-    def _loss_and_grads(self, batch: tuple) -> torch.Tensor:
-        """The loss at the current parameters, their ``.grad`` set to its gradient."""
-        with torch.enable_grad():
-            for p in self._params:
-                p.grad = None
-            loss = self.loss_fn(*batch)
-            loss.backward()
-        norm, value = self._clip  # between backward() and step(), as a plain loop clips
-        if norm is not None:
-            torch.nn.utils.clip_grad_norm_(self._params, norm)
-        if value is not None:
-            torch.nn.utils.clip_grad_value_(self._params, value)
-        return loss.detach()
-
     def _propose(self, batch: tuple) -> tuple[np.generic, bool, Any]:
-        params, opt = self._params, self.optimizer
-        held = hold_buffers(self._modules)
-        loss = self._loss_and_grads(batch)
-        finite = bool(torch.isfinite(loss)) and all_finite(p.grad for p in params)
-        if not finite:  # refused: the buffers too stay as before the step
-            put_back(held)
-            return host_loss(loss), False, None
-        old_p = [p.detach().clone() for p in params]
-        old_s = snapshot(opt, params)
-
-        def undo():  # parameters and state as before this step
-            with torch.no_grad():
-                for p, v in zip(params, old_p):
-                    p.copy_(v)
-            restore(opt, params, old_s)
-
-        try:
-            if self._needs_closure:  # e.g. LBFGS, which re-evaluates the loss within its step
-                opt.step(lambda: self._loss_and_grads(batch))  # type: ignore[arg-type,return-value]
-            else:
-                opt.step()
-        except BaseException:
-            undo()
-            raise
-        new_p = [p.detach().clone() for p in params]
-        new_s = snapshot(opt, params)
-        finite = all_finite(new_p) and all_finite(v for d in new_s.values() for v in d.values())
-        undo()
-        if not finite:
-            put_back(held)
-        return host_loss(loss), finite, (new_p, new_s)
+        """One eager step proposed and undone: ``(loss, finite, token for _commit)``."""
+        fit = (self.loss_fn, self.optimizer, self._params, self._modules, self._clip)
+        return _eager.propose(*fit, self._needs_closure, batch, self._sync)
 
     def _commit(self, token: Any) -> None:
         new_p, new_s = token
@@ -465,13 +448,21 @@ class Fit:
             self._program, self._cap, re, n, i0, prev, params, states, buffers, b, self._rnn
         )
 
+    def _nan(self) -> torch.Tensor:
+        """A NaN of the loss dtype on the device: the previous loss at a call's start (one
+        tensor, kept: programs only read it)."""
+        key = (self._loss_dtype, self._params[0].device)
+        if self._nans.get(key) is None:
+            self._nans[key] = torch.tensor(math.nan, dtype=key[0], device=key[1])
+        return self._nans[key]
+
     def _call_fused(self, n: int, start: int) -> Trace:
         opts = self.opts
         re, every = opts.record_every, opts.every or 1
         losses: list[np.ndarray] = []
         stop, i = Stop.STEPS, 0
         dev = self._params[0].device
-        prev = torch.tensor(math.nan, dtype=self._loss_dtype, device=dev)
+        prev = self._nan()
         with Notifier(opts, start, n, "stepfuse.torch") as note:
             notify = note if opts.notify else None
             if not self._state.ready():
@@ -497,14 +488,11 @@ class Fit:
                 flow = out.carry.flow
                 evaluated = applied + (1 if stop == Stop.NONFINITE else 0)
                 kept = n_recorded(i + evaluated, re) - n_recorded(i, re)
-                buf = out.carry.losses  # float64 stays, any other float (bfloat16 too) as float32
-                wide = buf.dtype == torch.float64
-                losses.append(
-                    buf[:kept].detach().to("cpu", torch.float64 if wide else torch.float32).numpy()
-                )
+                losses.append(host_losses(out.carry.losses, kept))
                 with deferred_interrupts():  # parameters, state and step move together
                     self._state.write_back(out.carry.params, out.carry.states)
-                    put_back(zip(self._buffers(), out.carry.buffers))
+                    if out.carry.buffers:
+                        put_back(zip(self._buffers(), out.carry.buffers))
                     self.step += applied
                 i += evaluated
                 prev = flow.last
@@ -523,8 +511,10 @@ class Fit:
                                 "now runs stepwise."
                             )
             note.done(self.step - start)
-        loss = np.concatenate(losses) if losses else np.zeros(0, np.float32)
-        return host_trace(loss, self.step - start, stop, re)
+        loss = (
+            losses[0] if len(losses) == 1 else np.concatenate(losses or [np.zeros(0, np.float32)])
+        )
+        return host_trace(loss, self.step - start, stop, re)  # a copy of what it keeps
 
     def __repr__(self) -> str:
         return (
@@ -553,7 +543,7 @@ def fuse(
     progress: bool = False,
     on_nonfinite: str = "stop",
     mode: str = "fused",
-    chunk: int = _DEFAULT_CHUNK,
+    chunk: int | None = None,
     clip_grad_norm: float | None = None,
     clip_grad_value: float | None = None,
 ) -> Fit:
@@ -569,12 +559,15 @@ def fuse(
         ``loss_fn`` closes over it (or reads it as a global).
       {options}
       chunk: steps per iteration of the compiled loop, i.e. copies of the step in the
-        compiled program (fixed, whatever ``steps`` is). Compile time grows with it and
-        per-step overhead shrinks (measurements: the docs' torch internals page); on CUDA
-        a larger chunk gains little, since the CUDA graphs replay many chunks at once. A
-        ``loss_fn`` that draws random numbers (dropout) runs with ``chunk=1``: every step
-        of a chunk runs its forward pass, so the masked steps after a call's last one
-        would draw masks the plain loop never draws. Default 4.
+        compiled program (fixed, whatever ``steps`` is). Compile time grows with it, the
+        loop's per-step overhead shrinks, and the steps of the last iteration after the
+        call's end are computed and discarded. None (default): 4 for a tiny step (a few
+        microseconds: the seed's perceptron), 1 otherwise, chosen on the first call by
+        counting one forward pass (``fit.plan`` says which and why; measurements: the
+        docs' torch internals page); 4 on CUDA, whose graphs replay many chunks at once.
+        A ``loss_fn`` that draws random numbers (dropout) runs with ``chunk=1``: every
+        step of a chunk runs its forward pass, so the masked steps after a call's last
+        one would draw masks the plain loop never draws.
       clip_grad_norm: clip the gradients at each step as ``torch.nn.utils.clip_grad_norm_(
         params, clip_grad_norm)`` between ``backward()`` and ``step()`` (both modes).
       clip_grad_value: likewise ``clip_grad_value_(params, clip_grad_value)`` (after the
@@ -598,5 +591,8 @@ def fuse(
         check_clip(clip_grad_norm, "clip_grad_norm"),
         check_clip(clip_grad_value, "clip_grad_value"),
     )
-    chunk = check_int(chunk, "chunk", "Pass the steps per compiled loop iteration, e.g. chunk=4.")
+    if chunk is not None:
+        chunk = check_int(
+            chunk, "chunk", "Pass the steps per compiled loop iteration, e.g. chunk=4."
+        )
     return Fit(loss_fn, optimizer, opts, model, chunk, clip)

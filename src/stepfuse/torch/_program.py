@@ -29,6 +29,7 @@ from ._ops import TORCH
 __all__ = [
     "Body",
     "Carry",
+    "Program",
     "Result",
     "batch_key",
     "build_program",
@@ -120,6 +121,9 @@ class Body(NamedTuple):
     """``pick(batch, i)``: the arguments of ``loss_fn`` at the call's step ``i`` (a 0-dim
     tensor) from the program's ``batch`` (`stepfuse.torch._data.Fed.pick`, data streams);
     None: ``batch`` is the arguments, the same every step."""
+    sync: Any = None
+    """Several ranks: `stepfuse.torch._dist.Sync`, which broadcasts DDP's buffers before
+    each step's forward and averages each step's gradients over the ranks; None: one."""
 
     def carry(self, flat: Sequence[torch.Tensor]) -> Carry:
         """The named view of a flat carry (`Carry.flat` inverted)."""
@@ -157,8 +161,9 @@ class Body(NamedTuple):
         return Carry(flow, losses, tuple(params), tuple(states), tuple(buffers))
 
     def make(self, n: Any, i0: Any, base: Any, batch: tuple) -> Callable[..., tuple]:
-        """The loop body over a flat carry: ``chunk`` steps, each masked so a stop mid-chunk
-        (or the call's end) leaves the state of the stepwise loop."""
+        """The loop body over a flat carry: ``chunk`` steps. The loop's test has just passed
+        for the first, so it runs as it is; each later one is masked, so that a stop
+        mid-chunk (or the call's end) leaves the state of the stepwise loop."""
         wrapper, names, others, update = self.wrapper, self.names, self.others, self.update
         bnames = self.buffers
 
@@ -179,30 +184,33 @@ class Body(NamedTuple):
             bs = list(c.buffers)
             met = self.met
             spare = losses.shape[0] - 1
-            for _ in range(self.chunk):
-                active = loop.running(TORCH, flow, n, met)
+            for k in range(self.chunk):
+                active = loop.running(TORCH, flow, n, met) if k else None
                 ic = i0 + flow.i  # index of this step within the user's call
                 args = batch if self.pick is None else self.pick(batch, ic)
-                grads, (loss, new_b) = grad_and_loss(tuple(ps), tuple(bs), args)
+                fwd = bs if self.sync is None else self.sync.buffers(self, bs)
+                grads, (loss, new_b) = grad_and_loss(tuple(ps), tuple(fwd), args)
                 loss = loss.detach()
+                if self.sync is not None:  # averaged over the ranks, before clipping
+                    grads = self.sync.grads(self, grads, loss)
                 grads = clip_grads(list(grads), self.clip_norm, self.clip_value)
                 new_p = [p.clone() for p in ps]  # torch's update works in place: on copies
                 new_s = [s.clone() for s in ss]
                 self._update(update, new_p, new_s, grads)
-                finite = torch.isfinite(loss)
-                for t in list(grads) + new_p + [s for s in new_s if s.is_floating_point()]:
-                    finite = finite & torch.isfinite(t).all()
+                finite = all_finite([loss, *grads, *new_p, *new_s])
                 probe = torch.where(finite, 0.0, math.nan).to(flow.probe.dtype)
                 stepped = loop.advance(flow, loss.to(flow.last.dtype), probe)
-                ok = active & TORCH.logical_not(loop.refused(TORCH, stepped))
+                ok = TORCH.logical_not(loop.refused(TORCH, stepped))
+                slot = loop.record_slot(ic, self.record_every, base, spare, TORCH)
+                if active is not None:
+                    ok = active & ok
+                    slot = torch.where(active, slot, spare)
+                    stepped = loop.masked(TORCH, active, stepped, flow)
                 ps = [torch.where(ok, a, b) for a, b in zip(new_p, ps)]
                 ss = [torch.where(ok, a, b) for a, b in zip(new_s, ss)]
                 bs = [torch.where(ok, a.detach(), b) for a, b in zip(new_b, bs)]
-                slot = torch.where(
-                    active, loop.record_slot(ic, self.record_every, base, spare, TORCH), spare
-                )
                 losses = losses.index_copy(0, slot.reshape(1), loss.reshape(1).to(losses.dtype))
-                flow = loop.masked(TORCH, active, stepped, flow)
+                flow = stepped
             return Carry(flow, losses, tuple(ps), tuple(ss), tuple(bs)).flat()
 
         return body
@@ -237,11 +245,16 @@ class Body(NamedTuple):
 
 
 def compile_fn(
-    fn: Callable, name: str, inductor_options: dict[str, Any], on_compile: Callable[[], None]
+    fn: Callable,
+    name: str,
+    inductor_options: dict[str, Any],
+    on_compile: Callable[[], None],
+    sink: list | None = None,
 ) -> Callable:
     """``torch.compile`` of ``fn`` (whole graph, static shapes) with inductor, calling
     ``on_compile()`` at each compilation. ``name`` names the code object: one per fit, so
-    dynamo's per-code cache never mixes fits."""
+    dynamo's per-code cache never mixes fits. ``sink`` (a list) receives each compiled
+    graph as ``(compiled, example_inputs)`` (`Program.bind` calls it directly)."""
     code = fn.__code__.replace(co_name=name)
     fn = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
@@ -251,20 +264,68 @@ def compile_fn(
 
         on_compile()
         with config.patch(inductor_options):
-            return compile_fx(gm, example_inputs)
+            compiled = compile_fx(gm, example_inputs, decompositions=_decompositions())
+        if sink is not None:
+            sink.append((compiled, list(example_inputs)))
+        return compiled
 
     return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+
+
+SMALL_MM = 16384
+"""CPU matrix products of at most this many multiply-adds (``m * k * n``) are compiled as
+inductor's own loops (a product and a sum, fused with their neighbours) rather than calls
+of ATen's ``mm`` / ``addmm``, whose fixed cost dominates a tiny model's step (the seed's
+perceptron: 50x2 by 2x2); docs/internals/torch.md has the measurements."""
+
+
+def _small(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.device.type == "cpu"
+        and a.dim() == 2
+        and b.dim() == 2
+        and a.dtype in (torch.float32, torch.float64)
+        and a.dtype == b.dtype
+        and a.shape[0] * a.shape[1] * b.shape[1] <= SMALL_MM
+    )
+
+
+def _decompositions() -> dict:
+    """Inductor's decompositions, with `SMALL_MM` matrix products as a product and a sum."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    aten = torch.ops.aten
+    table = dict(select_decomp_table())
+    base_mm, base_addmm = table.get(aten.mm.default), table.get(aten.addmm.default)
+
+    def mm(a, b, *rest, **kw):
+        if not rest and not kw and _small(a, b):
+            return (a.unsqueeze(2) * b.unsqueeze(0)).sum(1)
+        return base_mm(a, b, *rest, **kw) if base_mm is not None else NotImplemented
+
+    def addmm(c, a, b, *rest, beta=1, alpha=1, **kw):
+        if not rest and not kw and beta == 1 and alpha == 1 and _small(a, b):
+            return c + (a.unsqueeze(2) * b.unsqueeze(0)).sum(1)
+        if base_addmm is None:
+            return NotImplemented
+        return base_addmm(c, a, b, *rest, beta=beta, alpha=alpha, **kw)
+
+    table[aten.mm.default] = mm
+    table[aten.addmm.default] = addmm
+    return table
 
 
 def build_program(
     spec: Body, compile: Callable[[Callable, str, dict[str, Any]], Callable]
 ) -> Callable:
-    """The compiled program: ``program(n, i0, base, prev, nslots, params, states, buffers,
-    batch)`` runs up to ``n`` steps of the call from its step ``i0`` and returns a `Result`."""
+    """The compiled program: ``program(ctl, prev, nslots, params, states, buffers, batch)``
+    runs up to ``n`` steps of the call from its step ``i0`` and returns a `Result`, where
+    ``ctl`` holds ``(n, i0, base)`` (int64; ``base``: the loss buffer's first record)."""
 
-    def program(n, i0, base, prev, nslots, params, states, buffers, batch):
+    def program(ctl, prev, nslots, params, states, buffers, batch):
         from torch._higher_order_ops.while_loop import while_loop
 
+        n, i0, base = (ctl[k].clone() for k in range(3))  # a loop's inputs may not alias
         body = spec.make(n, i0, base, batch)
         met = spec.met
         start = spec.start(prev, nslots + 1, params, states, buffers)
@@ -278,8 +339,118 @@ def build_program(
     return compile(program, "program", INDUCTOR_OPTIONS)
 
 
+def _leaves(batch: Sequence[Any]) -> list[Any]:
+    """The leaves of a batch (a flat tuple of tensors without pytree's walk)."""
+    if all(isinstance(b, torch.Tensor) for b in batch):
+        return list(batch)
+    return _pytree.tree_leaves(tuple(batch))
+
+
+class Program:
+    """A compiled fused program (`build_program`) and the way to call it.
+
+    Its first call goes through ``torch.compile``: dynamo traces ``program`` and inductor
+    compiles the graph. `bind` then maps each input of the compiled graph to the
+    argument of ``program`` it was traced from (by identity), and checks that a direct
+    call of the compiled graph returns what ``program`` returned. From then on a call
+    runs the compiled graph directly: dynamo's per-call work (its guards over the loop
+    body, the modules and the optimizer's hyper-parameters, tens of microseconds a call
+    on the seed) is left out. What the guards would check is what a program is built
+    for (`stepfuse.torch.Fit` builds one per hyper-parameters, batch signature, set of
+    trainable parameters and the modules' training flags), and torch's global state
+    (grad mode, autocast, deterministic algorithms ...: dynamo's own `GlobalStateGuard`,
+    ~0.2 us) is checked at each call: a call in another state takes ``torch.compile``'s
+    path. A graph whose inputs are not all the program's arguments (a tensor ``loss_fn``
+    reads from elsewhere) stays on that path for good. Plain Python values ``loss_fn``
+    reads (a float in a closure) are compiled in, as the hyper-parameters are: a fit
+    does not see them change (docs/internals/torch.md).
+
+    ``ctl`` (``n, i0, base``) is one int64 tensor that every call reuses, written through
+    a NumPy view on the CPU (no torch call a segment)."""
+
+    def __init__(self, spec: Body, compile: Callable[..., Callable], device: torch.device):
+        self.spec = spec
+        self.sink: list = []  # the compiled graph, from ``compile(..., sink=)`` (`compile_fn`)
+        sink = self.sink
+        self.compiled = build_program(
+            spec, lambda fn, kind, options: compile(fn, kind, options, sink=sink)
+        )
+        self.direct: Callable | None = None
+        self.take: list[int] = []
+        self.nslots = -1
+        self.state: Any = None  # torch's global state (grad mode, autocast ...) at `bind`
+        self.ctl = torch.zeros(3, dtype=torch.int64, device=device)
+        self._ctl = self.ctl.numpy() if device.type == "cpu" else None
+
+    def __call__(
+        self,
+        n: int,
+        i0: int,
+        base: int,
+        prev: torch.Tensor,
+        nslots: int,
+        params: Sequence[torch.Tensor],
+        states: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor],
+        batch: tuple,
+    ) -> Result:
+        """Up to ``n`` steps from the call's step ``i0`` (``base``: `loop.record_slot`'s
+        first record, ``nslots`` the loss buffer's size without its spare slot)."""
+        ctl = self.ctl
+        if self._ctl is not None:
+            self._ctl[0], self._ctl[1], self._ctl[2] = n, i0, base
+        else:
+            ctl.copy_(torch.tensor([n, i0, base], dtype=torch.int64))
+        if self.direct is not None and nslots == self.nslots and self.state.check():
+            pool = [ctl, prev, *params, *states, *buffers, *_leaves(batch), *self._others()]
+            out = self.direct(*[pool[j] for j in self.take])
+            return Result(out[0], out[1], self.spec.carry(out[2:]))
+        args = (ctl, prev, nslots, params, states, buffers, batch)
+        result = self.compiled(*args)
+        if self.sink:
+            compiled, inputs = self.sink[-1]
+            self.sink.clear()  # no reference to the build's tensors (the batch) is kept
+            self.bind(compiled, inputs, args, result)
+        return result
+
+    def _others(self) -> list[torch.Tensor]:
+        w = self.spec.wrapper
+        return [w.get_parameter(k) for k in self.spec.others]
+
+    def bind(self, compiled: Callable, inputs: Sequence[Any], args: tuple, result: Result) -> None:
+        """Call ``compiled`` directly from now on, if every input it takes is one of the
+        program's arguments and it returns what the traced call returned (``result``)."""
+        ctl, prev, nslots, params, states, buffers, batch = args
+        pool = [ctl, prev, *params, *states, *buffers, *_leaves(batch), *self._others()]
+        where = {id(t): j for j, t in enumerate(pool) if isinstance(t, torch.Tensor)}
+        take = [where.get(id(t), -1) for t in inputs]
+        if -1 in take or len(set(take)) != len(take):
+            return
+        out = compiled(*[pool[j] for j in take])
+        want = [t for t in _pytree.tree_leaves(tuple(result)) if isinstance(t, torch.Tensor)]
+        if not isinstance(out, (list, tuple)) or len(out) != len(want):
+            return
+        for a, b in zip(out, want):
+            if not (isinstance(a, torch.Tensor) and _same(a, b)):
+                return
+        guard = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+        if guard is None or not hasattr(guard, "GlobalStateGuard"):
+            return
+        self.state = guard.GlobalStateGuard()  # a later call in another state: dynamo's path
+        self.direct, self.take, self.nslots = compiled, take, nslots
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype, device and values (NaN equal to NaN)."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    if a.is_floating_point():
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return bool(torch.equal(a, b))
+
+
 def run_program(
-    program: Callable,
+    program: Program,
     cap: int,
     record_every: int,
     n: int,
@@ -292,25 +463,36 @@ def run_program(
     rnn: bool = False,
 ) -> Result:
     """One program call: up to ``n`` steps from the call's step ``i0`` (a `Result`);
-    ``rnn``: the modules hold recurrent layers (`traceable`)."""
+    ``rnn``: the modules hold recurrent layers (`traceable`: tracing needs it)."""
     nslots = ceil_div(cap, record_every) + 1
-    dev = params[0].device
-    t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
+    base = ceil_div(i0, record_every)
     # Without autograd around it: parameters the optimizer does not hold may require grad,
     # and the loop must not be recorded for a backward (torch.func.grad still works inside).
-    # Dropout draws the plain loop's masks (`stepfuse.torch._draws`).
-    with torch.no_grad(), traceable(rnn), exact_draws():
-        return program(
-            t(n),
-            t(i0),
-            t(ceil_div(i0, record_every)),
-            prev,
-            nslots,
-            params,
-            states,
-            buffers,
-            batch,
-        )
+    with torch.no_grad():
+        if program.direct is not None:  # the compiled code, called directly
+            return program(n, i0, base, prev, nslots, params, states, buffers, batch)
+        # Through torch.compile (tracing on the first call): recurrent layers made
+        # traceable, dropout drawing the plain loop's masks (`stepfuse.torch._draws`).
+        with traceable(rnn), exact_draws():
+            return program(n, i0, base, prev, nslots, params, states, buffers, batch)
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Whether every float tensor of ``tensors`` is finite, as one boolean tensor. Tensors
+    of one shape are tested together (``isfinite(a) & isfinite(b)``, then one ``all``), so
+    the compiled step holds one reduction per shape rather than one per tensor."""
+    by_shape: dict[tuple, torch.Tensor] = {}
+    for t in tensors:
+        if not t.is_floating_point():
+            continue
+        key = (tuple(t.shape), t.device)
+        f = torch.isfinite(t)
+        by_shape[key] = f if key not in by_shape else by_shape[key] & f
+    checks = [f if f.dim() == 0 else f.all() for f in by_shape.values()]
+    out = checks[0]
+    for f in checks[1:]:
+        out = out & f
+    return out
 
 
 class _Held:
@@ -378,6 +560,8 @@ def batch_key(batch: Sequence[Any], slots: tuple = ()) -> tuple:
     which elides the values of a large one); with data streams, the program's inputs and
     the call's ``slots`` (`stepfuse._core.data.Slot`: how the program picks a step's
     arguments from them)."""
+    if all(isinstance(t, torch.Tensor) for t in batch):  # a flat tuple of tensors
+        return ("tensors", *slots) + tuple((tuple(t.shape), t.dtype, t.device) for t in batch)
     leaves, spec = _pytree.tree_flatten(tuple(batch))
     return (str(spec), *slots) + tuple(
         (tuple(t.shape), t.dtype, t.device)

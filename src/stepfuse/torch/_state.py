@@ -19,7 +19,15 @@ import torch
 from ._rules import held as _held
 from ._rules import placeholder as _placeholder
 
-__all__ = ["StateLayout", "all_finite", "host_loss", "put_back", "restore", "snapshot"]
+__all__ = [
+    "StateLayout",
+    "all_finite",
+    "host_loss",
+    "host_losses",
+    "put_back",
+    "restore",
+    "snapshot",
+]
 
 Snapshot = dict[torch.Tensor, dict[str, Any]]
 
@@ -107,10 +115,12 @@ class StateLayout:
         self.optimizer, self.params, self.keys_of = optimizer, params, keys_of
 
     def groups(self) -> list[tuple[dict, slice, tuple[str, ...]]]:
-        """[(group, slice of params, keys)] for the optimizer as it is now."""
+        """[(group, slice of params, keys)] for the optimizer as it is now (each group as
+        torch.optim holds it: its hyper-parameters; ``params[slice]`` are its parameters
+        that require grad)."""
         out, start = [], 0
         for g in self.optimizer.param_groups:
-            n = len(g["params"])
+            n = sum(1 for p in g["params"] if p.requires_grad)
             out.append((g, slice(start, start + n), self.keys_of(g)))
             start += n
         return out
@@ -164,3 +174,13 @@ class StateLayout:
                             like = _placeholder(self.optimizer, k, p, g)
                             cur[k] = states[i].detach().to(like.device).clone()
                         i += 1
+
+
+def host_losses(buf: torch.Tensor, kept: int) -> np.ndarray:
+    """The first ``kept`` losses of a program's loss buffer on the host: float64 stays,
+    any other float (bfloat16 too) as float32 (a CPU buffer of either is read in place:
+    `stepfuse._core.host_trace` copies what it keeps)."""
+    if buf.device.type == "cpu" and buf.dtype in (torch.float32, torch.float64):
+        return buf.numpy()[:kept]
+    wide = buf.dtype == torch.float64
+    return buf[:kept].detach().to("cpu", torch.float64 if wide else torch.float32).numpy()
