@@ -18,7 +18,7 @@ from torch import nn
 from ._probe import hold_buffers
 from ._state import all_finite, host_loss, put_back, restore, snapshot
 
-__all__ = ["loss_and_grads", "propose"]
+__all__ = ["host_losses", "loss_and_grads", "propose"]
 
 
 def loss_and_grads(
@@ -84,3 +84,13 @@ def propose(
     if not finite:
         put_back(held)
     return host_loss(loss), finite, (new_p, new_s)
+
+
+def host_losses(buf: torch.Tensor, kept: int) -> np.ndarray:
+    """The first ``kept`` losses of a program's loss buffer on the host: float64 stays,
+    any other float (bfloat16 too) as float32 (a CPU buffer of either is read in place:
+    `host_trace` copies what it keeps)."""
+    if buf.device.type == "cpu" and buf.dtype in (torch.float32, torch.float64):
+        return buf.numpy()[:kept]
+    wide = buf.dtype == torch.float64
+    return buf[:kept].detach().to("cpu", torch.float64 if wide else torch.float32).numpy()
