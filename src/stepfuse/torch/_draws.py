@@ -53,7 +53,14 @@ from torch.overrides import has_torch_function
 from ._probe import cuda_devices, hold_buffers, rng_states, set_rng_states
 from ._state import put_back, restore, snapshot
 
-__all__ = ["check_draws", "draws_mismatch", "eager_attention", "eager_dropout", "exact_draws"]
+__all__ = [
+    "check_draws",
+    "draws_verified",
+    "draws_mismatch",
+    "eager_attention",
+    "eager_dropout",
+    "exact_draws",
+]
 
 _DROPOUT = F.dropout
 _ATTENTION = F.scaled_dot_product_attention
@@ -235,3 +242,21 @@ def check_draws(fit: Any, batch: tuple) -> bool | str:
     eager = (float(loss), eager_b)
     fused = (float(out.carry.flow.last), list(out.carry.buffers))
     return draws_mismatch(eager, fused, eager_rng, fused_rng, fit._random_ops) or True
+
+
+def draws_verified(fit: Any, batch: tuple) -> bool:
+    """Whether a `stepfuse.torch.Fit`'s fused program may run this call: always for a
+    ``loss_fn`` that draws nothing; else once `check_draws` found its program drawing as
+    the plain loop does (a fallback where it does not)."""
+    if fit.mode != "fused" or fit._random_ops is None:
+        return True
+    if fit._program_key in fit._verified:
+        return True
+    got = check_draws(fit, batch)
+    if isinstance(got, str):
+        fit._fall_back(got)
+        return False
+    if got:
+        assert fit._program_key is not None
+        fit._verified.add(fit._program_key)
+    return got

@@ -43,12 +43,13 @@ from .._core import (
     finish,
     host_trace,
     n_recorded,
+    named_evals,
     next_multiple,
     run_stepwise,
 )
-from .._core.options import shared_doc_of
-from . import _cuda, _data, _eager, _plan, _program, _ranks
-from ._draws import check_draws
+from .._core.options import shared_doc
+from . import _cuda, _data, _eager, _eval, _plan, _program, _ranks
+from ._draws import draws_verified
 from ._probe import (
     BatchError,
     Resolved,
@@ -140,6 +141,9 @@ class Fit:
             else:
                 self._resolved = got
         self._rnn = self._resolved is not None and self._resolved.rnn
+        self._evals = _eval.Evaluations(opts, self._modules) if opts.eval_fn else None
+        if self._evals is not None and self.mode == "fused" and self._cuda:
+            self._fall_back("eval_fn does not run inside the CUDA graphs yet.")
 
     def _layout(self) -> StateLayout:
         """The state layout of the parameters updated (torch skips the others)."""
@@ -190,6 +194,7 @@ class Fit:
             self._rnn,
             self._fed.pick,
             sync=self._sync,
+            evaluate=None if self._evals is None else self._evals.spec(self._cap),
         )
 
     def _compile(
@@ -252,7 +257,9 @@ class Fit:
         fallback's reason holds the whole error.
         """
         sync = self._sync and self._sync.key
-        key = (self._hyper_key(), self._fed.key, self._mask, self._training(), sync)
+        key: tuple = (self._hyper_key(), self._fed.key, self._mask, self._training(), sync)
+        if self._evals is not None:  # a program per eval_batch signature too
+            key = (*key, self._evals.key)
         if self._program is not None and self._program_key == key:
             return
         if key in self._captured:
@@ -275,7 +282,7 @@ class Fit:
         self._program = None
         for attempt in range(_BUILD_TRIES):
             try:
-                self._program = self._build(params, states, self._fed.inputs(0), prev)
+                self._program = self._build(params, states, self._inputs(0), prev)
                 break
             except Exception as e:  # noqa: BLE001 - any compile failure means: run stepwise
                 interrupt = interrupt_inside(e)
@@ -313,17 +320,21 @@ class Fit:
     # -- one call ----------------------------------------------------------------------------
 
     @_ranks.collective
-    def __call__(self, *batch: Any, steps: int | None = None) -> Trace:
+    def __call__(self, *batch: Any, steps: int | None = None, eval_batch: Any = None) -> Trace:
         """Run ``steps`` (default: the ``steps`` given to `fuse`) updates on ``batch``.
 
         Args:
           *batch: the arguments of ``loss_fn`` (tensors, `stepfuse.Batches`, `Epochs`), fed once.
           steps: updates of this call; any ``int >= 1`` reuses the same compiled program.
+          eval_batch: with ``eval_fn``, its arguments (a tuple is the arguments, any other
+            value one argument); new values of the same shapes reuse the compiled program.
 
         Returns:
-          The call's `stepfuse.Trace` (losses before each update, updates applied, stop).
+          The call's `stepfuse.Trace` (losses before each update, updates applied, stop;
+          ``trace.eval``: the evaluations, with ``eval_fn``).
         """
         n = check_call_steps(steps, self.opts, capped=False)
+        _eval.check_call(self._evals, eval_batch)  # eval_fn runs once per eval_batch signature
         check_params_unchanged(self.optimizer, self._params)
         self._fed = _data.Fed(batch, self._params[0].device, self.step, n)  # checks the streams
         self._read_trainable()
@@ -339,17 +350,12 @@ class Fit:
             self._ensure_program()
         _ranks.agree_mode(self)
         # A fit whose loss draws runs a call fused once its program drew as eagerly.
-        eager = self.mode == "stepwise" or not self._draws_verified(self._fed.at(0))
+        eager = self.mode == "stepwise" or not draws_verified(self, self._fed.at(0))
         eager = _ranks.agree_eager(self, eager)
-        # No snapshot to restore after an error: parameters, optimizer state and `step`
-        # change only together, in `_commit` and after a program call (under
-        # `deferred_interrupts`); a program call itself writes nothing of the user's, and a
-        # refused or failed step is undone where it ran (`_propose`, `check_draws`).
+        # No snapshot to restore after an error: params, state and `step` change together
+        # (`_commit`, after a program call); a failed step is undone where it ran.
         try:
-            if eager:
-                trace = self._call_stepwise(n, start)
-            else:
-                trace = self._call_fused(n, start)
+            trace = self._call_stepwise(n, start) if eager else self._call_fused(n, start)
         finally:
             for p, g in zip(self._params, grads_before):
                 p.grad = g
@@ -389,21 +395,6 @@ class Fit:
         direct = isinstance(program, _program.Program) and program.direct is not None
         return _plan.describe(self._plan, self.chunk, direct, self._cap)
 
-    def _draws_verified(self, batch: tuple) -> bool:
-        """Whether the fused program may run this call (`_probe.check_draws`)."""
-        if self.mode != "fused" or self._random_ops is None:
-            return True
-        if self._program_key in self._verified:
-            return True
-        got = check_draws(self, batch)
-        if isinstance(got, str):
-            self._fall_back(got)
-            return False
-        if got:
-            assert self._program_key is not None
-            self._verified.add(self._program_key)
-        return got
-
     # stepwise: the optimizer's own step(), eagerly -------------------------------------------
 
     def _propose(self, batch: tuple) -> tuple[np.generic, bool, Any]:
@@ -428,9 +419,10 @@ class Fit:
                 self.opts,
                 start,
                 note if self.opts.notify else None,
+                None if self._evals is None else self._evals.evaluate,
             )
             note.done(trace.steps)
-            return trace
+            return trace if self._evals is None else named_evals(trace, self._evals.empty())
 
     # fused: eager first step if the optimizer has no state yet, then program segments ------
 
@@ -439,7 +431,7 @@ class Fit:
         params = [p.detach() for p in self._train]
         states = self._state.tensors(placeholder=False)
         buffers = [b.detach() for b in self._buffers()]
-        re, b = self.opts.record_every, self._fed.inputs(i0)
+        re, b = self.opts.record_every, self._inputs(i0)
         if self._cuda:
             return _cuda.run_graphs(
                 self._program, self.chunk, re, n, i0, prev, params, states, buffers, b
@@ -447,6 +439,10 @@ class Fit:
         return _program.run_program(
             self._program, self._cap, re, n, i0, prev, params, states, buffers, b, self._rnn
         )
+
+    def _inputs(self, i0: int) -> tuple:
+        """The program's batch from the call's step ``i0`` (and the evaluation's inputs)."""
+        return _eval.inputs(self._evals, self._fed.inputs(i0), self.step, self._params[0].device)
 
     def _nan(self) -> torch.Tensor:
         """A NaN of the loss dtype on the device: the previous loss at a call's start (one
@@ -460,6 +456,7 @@ class Fit:
         opts = self.opts
         re, every = opts.record_every, opts.every or 1
         losses: list[np.ndarray] = []
+        evals: list[Any] = []  # each program call's (and the eager step's) evaluations
         stop, i = Stop.STEPS, 0
         dev = self._params[0].device
         prev = self._nan()
@@ -474,7 +471,9 @@ class Fit:
                     dataclasses.replace(opts, steps=1, tol=None, record_every=1),
                     start,
                     notify,
+                    None if self._evals is None else self._evals.evaluate,
                 )
+                evals.append(first.eval)
                 losses.append(first.loss)  # float64 or float32, as the stepwise driver records it
                 i, stop = 1, first.stop
                 if first.steps:
@@ -489,6 +488,8 @@ class Fit:
                 evaluated = applied + (1 if stop == Stop.NONFINITE else 0)
                 kept = n_recorded(i + evaluated, re) - n_recorded(i, re)
                 losses.append(host_losses(out.carry.losses, kept))
+                if self._evals is not None:
+                    evals.append(self._evals.read(out.carry.evals))
                 with deferred_interrupts():  # parameters, state and step move together
                     self._state.write_back(out.carry.params, out.carry.states)
                     if out.carry.buffers:
@@ -514,7 +515,8 @@ class Fit:
         loss = (
             losses[0] if len(losses) == 1 else np.concatenate(losses or [np.zeros(0, np.float32)])
         )
-        return host_trace(loss, self.step - start, stop, re)  # a copy of what it keeps
+        ev = None if self._evals is None else self._evals.join(evals)
+        return host_trace(loss, self.step - start, stop, re, ev)  # a copy of what it keeps
 
     def __repr__(self) -> str:
         return (
@@ -527,9 +529,7 @@ FusedFit = Fit
 """The old name of `Fit`."""
 
 
-@shared_doc_of(
-    "steps", "tol", "record_every", "callback", "every", "progress", "on_nonfinite", "mode"
-)
+@shared_doc
 def fuse(
     loss_fn: Callable[..., torch.Tensor],
     optimizer: torch.optim.Optimizer,
@@ -543,6 +543,8 @@ def fuse(
     progress: bool = False,
     on_nonfinite: str = "stop",
     mode: str = "fused",
+    eval_fn: Callable[..., Any] | None = None,
+    eval_every: int | None = None,
     chunk: int | None = None,
     clip_grad_norm: float | None = None,
     clip_grad_value: float | None = None,
@@ -583,9 +585,8 @@ def fuse(
       >>> fit = fuse(loss_fn, torch.optim.SGD(model.parameters(), lr=0.01), steps=3)
       >>> trace = fit(x, y)            # 3 updates, one compiled call
     """
-    opts = check_options(
-        steps, tol, record_every, callback, every, progress, on_nonfinite, mode, modes=_MODES
-    )
+    shared = (steps, tol, record_every, callback, every, progress, on_nonfinite, mode)
+    opts = check_options(*shared, _MODES, eval_fn, eval_every)
     check_arguments(loss_fn, optimizer, model)
     clip = (
         check_clip(clip_grad_norm, "clip_grad_norm"),

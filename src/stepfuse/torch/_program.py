@@ -63,11 +63,13 @@ class Carry(NamedTuple):
     states: tuple[torch.Tensor, ...]
     buffers: tuple[torch.Tensor, ...] = ()
     """The modules' buffers (BatchNorm's running statistics ...), as a forward leaves them."""
+    evals: tuple[torch.Tensor, ...] = ()
+    """With ``eval_fn``: the evaluations' count, steps and values (`stepfuse.torch._eval.Spec`)."""
 
     def flat(self) -> tuple[torch.Tensor, ...]:
         """The tensors as ``while_loop`` carries them (a flat tuple, no None)."""
         flow = tuple(f for f in self.flow if f is not None)
-        return (*flow, self.losses, *self.params, *self.states, *self.buffers)
+        return (*flow, self.losses, *self.params, *self.states, *self.buffers, *self.evals)
 
 
 class Result(NamedTuple):
@@ -124,18 +126,23 @@ class Body(NamedTuple):
     sync: Any = None
     """Several ranks: `stepfuse.torch._dist.Sync`, which broadcasts DDP's buffers before
     each step's forward and averages each step's gradients over the ranks; None: one."""
+    evaluate: Any = None
+    """With ``eval_fn``: its `stepfuse.torch._eval.Spec`; the program's ``batch`` then ends
+    with the evaluation's inputs (`stepfuse.torch._eval.Evaluations.inputs`)."""
 
     def carry(self, flat: Sequence[torch.Tensor]) -> Carry:
         """The named view of a flat carry (`Carry.flat` inverted)."""
         nf = 4 if self.tol is not None else 3
         at = nf + 1 + self.n_params
-        nb = len(flat) - len(self.buffers)
+        ne = len(flat) - (self.evaluate.size if self.evaluate is not None else 0)
+        nb = ne - len(self.buffers)
         return Carry(
             Flow(*flat[:nf]),
             flat[nf],
             tuple(flat[nf + 1 : at]),
             tuple(flat[at:nb]),
-            tuple(flat[nb:]),
+            tuple(flat[nb:ne]),
+            tuple(flat[ne:]),
         )
 
     def start(
@@ -165,7 +172,9 @@ class Body(NamedTuple):
         for the first, so it runs as it is; each later one is masked, so that a stop
         mid-chunk (or the call's end) leaves the state of the stepwise loop."""
         wrapper, names, others, update = self.wrapper, self.names, self.others, self.update
-        bnames = self.buffers
+        bnames, ev = self.buffers, self.evaluate
+        if ev is not None:  # the evaluation's inputs: the fit's step at the start, eval_batch
+            batch, (step0, *eval_args) = tuple(batch[:-1]), batch[-1]
 
         def loss_of(ps, bs, args):
             held = {k: wrapper.get_parameter(k).detach() for k in others}
@@ -181,7 +190,7 @@ class Body(NamedTuple):
         def body(*flat):
             c = self.carry(flat)
             flow, losses, ps, ss = c.flow, c.losses, list(c.params), list(c.states)
-            bs = list(c.buffers)
+            bs, es = list(c.buffers), c.evals
             met = self.met
             spare = losses.shape[0] - 1
             for k in range(self.chunk):
@@ -211,7 +220,12 @@ class Body(NamedTuple):
                 bs = [torch.where(ok, a.detach(), b) for a, b in zip(new_b, bs)]
                 losses = losses.index_copy(0, slot.reshape(1), loss.reshape(1).to(losses.dtype))
                 flow = stepped
-            return Carry(flow, losses, tuple(ps), tuple(ss), tuple(bs)).flat()
+                if ev is not None:
+                    held = {k: wrapper.get_parameter(k).detach() for k in others}
+                    now = {**held, **dict(zip(bnames, bs)), **dict(zip(names, ps))}
+                    step = step0 + loop.applied(TORCH, flow)
+                    es = ev.after(es, step, ok, now, tuple(eval_args))
+            return Carry(flow, losses, tuple(ps), tuple(ss), tuple(bs), tuple(es)).flat()
 
         return body
 
@@ -329,6 +343,8 @@ def build_program(
         body = spec.make(n, i0, base, batch)
         met = spec.met
         start = spec.start(prev, nslots + 1, params, states, buffers)
+        if spec.evaluate is not None:
+            start = start._replace(evals=spec.evaluate.start(prev.device))
         flat = while_loop(
             lambda *c: loop.running(TORCH, spec.carry(c).flow, n, met), body, start.flat()
         )
