@@ -177,8 +177,9 @@ TOL = {"cpu": dict(rtol=1e-6, atol=1e-7), "cuda": dict(rtol=1e-5, atol=1e-6)}
 and torch's capturable update rules round differently from the eager kernels."""
 
 
+@pytest.mark.parametrize("chunk", [1, 2])  # 1: the default of all but tiny models
 @pytest.mark.parametrize("device", DEVICES)
-def test_options_tol_record_every_callback_match_stepwise_oracle(device):
+def test_options_tol_record_every_callback_match_stepwise_oracle(device, chunk):
     seen = {"fused": [], "stepwise": []}
     fits = {}
     x, y, tol = X.to(device), Y.to(device), TOL[device]
@@ -195,7 +196,7 @@ def test_options_tol_record_every_callback_match_stepwise_oracle(device):
                 tol=8e-3,
                 record_every=3,
                 every=4,
-                chunk=2,
+                chunk=chunk,
                 mode=mode,
                 callback=lambda step, loss, mode=mode: seen[mode].append((step, loss)),
             ),

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 from torch import nn
+from torch.utils import _pytree
 
 from .._core import (
     EvalTrace,
@@ -248,7 +249,21 @@ def inputs(evals: Evaluations | None, batch: tuple, step: int, device: torch.dev
     fit's step at the program call's start and the call's ``eval_batch``."""
     if evals is None:
         return batch
-    return (*batch, (torch.tensor(step, dtype=torch.int64, device=device), *evals.args))
+    # torch's while_loop refuses inputs that share memory (an eval_batch tensor that is a
+    # batch tensor, or a view of one): those are given as copies.
+    seen = {_storage(t) for t in _pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)}
+    args = []
+    for a in evals.args:
+        if isinstance(a, torch.Tensor):
+            if _storage(a) in seen:
+                a = a.clone()
+            seen.add(_storage(a))
+        args.append(a)
+    return (*batch, (torch.tensor(step, dtype=torch.int64, device=device), *args))
+
+
+def _storage(t: torch.Tensor) -> tuple:
+    return (t.device, t.untyped_storage().data_ptr())
 
 
 def check_call(evals: Evaluations | None, eval_batch: Any) -> None:

@@ -225,6 +225,10 @@ class Body(NamedTuple):
                     now = {**held, **dict(zip(bnames, bs)), **dict(zip(names, ps))}
                     step = step0 + loop.applied(TORCH, flow)
                     es = ev.after(es, step, ok, now, tuple(eval_args))
+            if flow.before is not None and self.chunk == 1:
+                # With tol, `before` is the input's `last`: torch's while_loop refuses a body
+                # that returns one of its inputs as an output.
+                flow = flow._replace(before=flow.before.clone())
             return Carry(flow, losses, tuple(ps), tuple(ss), tuple(bs), tuple(es)).flat()
 
         return body
@@ -572,16 +576,20 @@ def traceable(rnn: bool) -> Iterator[None]:
 
 def batch_key(batch: Sequence[Any], slots: tuple = ()) -> tuple:
     """What a compiled program is specialised to: the batch's nesting and, per leaf, a
-    tensor's shape, dtype and device or another value itself (never a tensor's repr,
+    tensor's shape, strides, dtype and device (calls after the first run the compiled code
+    directly, which holds the strides it was traced with) or another value itself (never a
+    tensor's repr,
     which elides the values of a large one); with data streams, the program's inputs and
     the call's ``slots`` (`stepfuse._core.data.Slot`: how the program picks a step's
     arguments from them)."""
     if all(isinstance(t, torch.Tensor) for t in batch):  # a flat tuple of tensors
-        return ("tensors", *slots) + tuple((tuple(t.shape), t.dtype, t.device) for t in batch)
+        return ("tensors", *slots) + tuple(_tensor_key(t) for t in batch)
     leaves, spec = _pytree.tree_flatten(tuple(batch))
     return (str(spec), *slots) + tuple(
-        (tuple(t.shape), t.dtype, t.device)
-        if isinstance(t, torch.Tensor)
-        else (type(t).__name__, repr(t))
+        _tensor_key(t) if isinstance(t, torch.Tensor) else (type(t).__name__, repr(t))
         for t in leaves
     )
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.stride(), t.dtype, t.device)

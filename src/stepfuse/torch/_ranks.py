@@ -132,15 +132,15 @@ def collective(call: Callable[..., Any]) -> Callable[..., Any]:
     any case, have the DDP modules call their ``module`` for the call's length."""
 
     @functools.wraps(call)
-    def wrapper(fit: Any, *batch: Any, steps: int | None = None) -> Any:
+    def wrapper(fit: Any, *batch: Any, **options: Any) -> Any:
         ddps = _ddps_of(fit)
         group = group_of(ddps)
         if group is None or torch.distributed.get_world_size(group) == 1:
             fit._sync = None
             if not ddps:
-                return call(fit, *batch, steps=steps)
+                return call(fit, *batch, **options)
             with unwrapped(ddps):
-                return call(fit, *batch, steps=steps)
+                return call(fit, *batch, **options)
         import torch.distributed as dist
 
         exchange = Exchange(group, dist.get_rank(group), dist.get_world_size(group))
@@ -154,7 +154,7 @@ def collective(call: Callable[..., Any]) -> Callable[..., Any]:
             sync.exchange = exchange
             fit._sync = sync
             with unwrapped(ddps):
-                return call(fit, *batch, steps=steps)
+                return call(fit, *batch, **options)
         except BaseException as e:
             exchange.fail(e)
             raise
