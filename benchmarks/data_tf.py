@@ -48,6 +48,7 @@ def bench_stepfuse(x: np.ndarray, y: np.ndarray, dims: tuple, steps: int) -> flo
     trace = fit(data, steps=steps)
     dt = time.perf_counter() - t0
     assert trace.steps == steps and fit.compiles == 1
+    print(f"  (stepfuse's loop: xla={fit.plan['xla']}: {fit.plan['reason']})")
     return dt / steps * 1e6
 
 
