@@ -959,3 +959,22 @@ def test_a_build_that_fails_outside_the_model_is_tried_again_and_a_fallback_show
         fit(X, Y)
     assert_mode(fit, "stepwise")
     assert "see below" in fit.fallback_reason and "the real cause" in fit.fallback_reason
+
+
+def test_the_model_is_found_through_default_arguments_and_partials():
+    """A module reached by a default argument or a ``functools.partial`` is the model (not
+    a fallback for parameters "that belong to no module")."""
+    import functools
+
+    from stepfuse.torch._probe import find_modules
+
+    model, other = torch.nn.Linear(2, 1), torch.nn.Linear(1, 1)
+
+    def loss(x, y, m):
+        return ((m(x) - y) ** 2).mean()
+
+    assert find_modules(lambda x, y, m=model: loss(x, y, m)) == [model]
+    assert find_modules(lambda x, y, *, m=model: loss(x, y, m)) == [model]
+    assert find_modules(functools.partial(loss, m=model)) == [model]
+    assert find_modules(functools.partial(loss, m=other)) == [other]
+    assert find_modules(lambda x, y: x.sum()) == []

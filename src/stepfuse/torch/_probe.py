@@ -9,6 +9,7 @@ the fit runs stepwise instead (the fused program would not be the plain loop).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import inspect
 import math
 import numbers
@@ -74,7 +75,8 @@ class _LossModule(nn.Module):
 
 
 def find_modules(loss_fn: Callable[..., Any]) -> list[nn.Module]:
-    """nn.Modules the loss function closes over or reads as globals."""
+    """nn.Modules the loss function closes over, reads as globals, takes as default
+    arguments (``lambda x, y, m=model: ...``) or is a ``functools.partial`` of."""
     found: list[nn.Module] = []
     seen: set[int] = set()
 
@@ -83,9 +85,19 @@ def find_modules(loss_fn: Callable[..., Any]) -> list[nn.Module]:
             seen.add(id(v))
             found.append(v)
 
+    if isinstance(loss_fn, functools.partial):
+        for v in (*loss_fn.args, *loss_fn.keywords.values()):
+            add(v)
+        for m in find_modules(loss_fn.func):
+            add(m)
     fn = getattr(loss_fn, "__func__", loss_fn)
     add(getattr(loss_fn, "__self__", None))
     add(loss_fn)
+    for v in (
+        *(getattr(fn, "__defaults__", None) or ()),
+        *(getattr(fn, "__kwdefaults__", None) or {}).values(),
+    ):
+        add(v)
     for cell in getattr(fn, "__closure__", None) or ():
         try:
             add(cell.cell_contents)
