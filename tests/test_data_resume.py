@@ -73,7 +73,7 @@ SCRIPTS = {
                                   keras.layers.Dense(2)])
         ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         fit = sft.fuse(lambda xb, yb: ce(yb, model(xb)), keras.optimizers.Adam(1e-2), model,
-                       steps=16)
+                       steps=16, jit_compile=True)
         data = sf.Epochs(x, y, batch_size=2, seed=3)
         save = lambda path: checkpoint.save(path + "/fit", fit)
         restore = lambda path: checkpoint.restore(path + "/fit", fit)
@@ -98,7 +98,8 @@ SCRIPTS = {
                 tf.nn.sparse_softmax_cross_entropy_with_logits(labels=yb, logits=logits))
 
         data = sf.Epochs(x, y, batch_size=2, seed=3)
-        fit = sf1.fuse(loss_fn, tf1.train.AdamOptimizer(1e-2), steps=16, data=data)
+        fit = sf1.fuse(loss_fn, tf1.train.AdamOptimizer(1e-2), steps=16, data=data,
+                        jit_compile=True)
         saver = tf1.train.Saver()  # every variable: the fit's step count and Adam's state too
         sess = tf1.Session()
         sess.run(tf1.global_variables_initializer())
