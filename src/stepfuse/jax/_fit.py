@@ -311,23 +311,8 @@ class Fit:
         state bit for bit (tested). It costs those steps once more, in a call that stops
         on NONFINITE only (and with ``eval_fn``, their evaluations once more).
         """
-        self._muted = True
-        try:
-            new, _, _, _ = self._fused(
-                state,
-                batch,
-                eval_batch,
-                self._int32(good),
-                period,
-                self._flag(False),
-                scan_steps=None,
-                host_id=host_id,
-                pack=True,
-                rebuild=False,
-            )
-            return jax.block_until_ready(new)  # its host calls happen while it runs
-        finally:
-            self._muted = False
+        new, _, _, _ = self._rerun(state, batch, eval_batch, self._int32(good), period, host_id)
+        return new
 
     def _checked(
         self,
@@ -342,6 +327,20 @@ class Fit:
         (``exact``), its notifications muted (the first run sent them up to the last
         step it had checked): what `_program.run` returns. The same compiled program, so
         the same values bit for bit, up to the first non-finite step, where it stops."""
+        return self._rerun(state, batch, eval_batch, n, period, host_id, exact=True)
+
+    def _rerun(
+        self,
+        state: FitState,
+        batch: tuple,
+        eval_batch: tuple,
+        n: Any,
+        period: Any,
+        host_id: int | None,
+        exact: bool = False,
+    ) -> tuple:
+        """``n`` steps from ``state`` through the fused program again, notifications muted
+        (`_rebuild`, `_checked`): what `_program.run` returns, once it has run."""
         self._muted = True
         try:
             out = self._fused(
@@ -350,7 +349,7 @@ class Fit:
                 eval_batch,
                 n,
                 period,
-                self._flag(True),
+                self._flag(exact),
                 scan_steps=None,
                 host_id=host_id,
                 pack=True,
