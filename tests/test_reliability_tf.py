@@ -87,10 +87,44 @@ def faulty_setup(fault):
     return [k, b], opt, loss_fn, (x, Y), (0 if fault == "data_nan" else K)
 
 
+@pytest.mark.parametrize("fault", ["grad_inf_kernel", "grad_huge_adam_overflow"])
+def test_tf2_xla_checks_large_tensors_each(fault):
+    # Under XLA a tensor of 512 values or more is checked on its own, the smaller ones
+    # together (`stepfuse.tf._loop._finite_probe`): a fault only in the 32 x 32 kernel's
+    # gradient, or only in its Adam second moment, is caught all the same.
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(64, 32)).astype("float32")
+    y = rng.integers(0, 32, 64).astype("int32")
+    k0 = (rng.normal(size=(32, 32)) * 0.1).astype("float32")
+
+    def setup():
+        k, b = tf.Variable(k0), tf.Variable(np.zeros(32, "float32"))
+        opt = keras.optimizers.Adam(0.05)
+
+        def loss_fn(x, y):
+            value = np.inf if fault == "grad_inf_kernel" else 1e30
+            kk = poison(k, tf.equal(opt.iterations, K), value)
+            return ce(y, tf.matmul(x, kk) + b)
+
+        return [k, b], opt, loss_fn
+
+    va, oa, la = setup()
+    trace = sf.fuse(la, oa, va, steps=20, jit_compile=True)(x, y)
+    assert trace.stop == Stop.NONFINITE and trace.steps == K and int(oa.iterations) == K
+    vb, ob, lb = setup()
+    ref = sf.fuse(lb, ob, vb, steps=20, mode="stepwise", jit_compile=True)(x, y)
+    assert (ref.stop, ref.steps) == (trace.stop, trace.steps)
+    for a, r in zip(arrays(va + list(oa.variables)), arrays(vb + list(ob.variables))):
+        np.testing.assert_allclose(a, r, rtol=RTOL, atol=ATOL)
+        assert np.all(np.isfinite(a))
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["xla", "tf-kernels"])
 @pytest.mark.parametrize("fault", FAULTS)
-def test_tf2_fault_stops_before_the_bad_update_state_matches_stepwise_oracle(fault):
+def test_tf2_fault_stops_before_the_bad_update_state_matches_stepwise_oracle(fault, jit):
+    # Both loops: each checks finiteness its own way (`stepfuse.tf._loop._finite_probe`).
     va, oa, la, batch, step = faulty_setup(fault)
-    fit = sf.fuse(la, oa, va, steps=20)
+    fit = sf.fuse(la, oa, va, steps=20, jit_compile=jit)
     trace = fit(*batch)
     assert trace.stop == Stop.NONFINITE and trace.steps == step == fit.step
     assert len(trace.loss) == step + 1 and np.all(np.isfinite(trace.loss[:-1]))
