@@ -115,6 +115,20 @@ def test_epochs_across_boundaries_fused_equals_stepwise_and_plain(shuffle: bool)
     close(data.batch(13)[0], epoch_batches(data, 13, 1)[0][0])
 
 
+@pytest.mark.parametrize("jit", [True, False], ids=["xla", "tf-kernels"])
+def test_epochs_past_the_host_order_table_are_sorted_on_the_device(jit: bool) -> None:
+    # A call hands its program the orders of the epochs it enters, computed on the host,
+    # in a table sized for the fit's `steps` (here 2 epochs); a longer call sorts the
+    # epochs past it on the device (`stepfuse.tf._data.OrderTables`): the same minibatches.
+    data = sf.Epochs(X, Y, batch_size=8, seed=11)
+    fused, fm = make(steps=3, jit_compile=jit)
+    losses = [fused(data).loss, fused(data, steps=23).loss, fused(data, steps=2).loss]
+    assert fused.compiles == 1 and fused.step == 28
+    ref, rm = plain(epoch_batches(data, 0, 28))
+    close(np.concatenate(losses), ref)
+    same_weights(fm, rm)
+
+
 def test_epochs_resume_k_then_rest_equals_one_call() -> None:
     data = sf.Epochs(X, Y, batch_size=8, seed=3)
     one, m1 = make(steps=13)

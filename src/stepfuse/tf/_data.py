@@ -18,15 +18,26 @@ before the loop, written once after it); the stepwise mode, one step per launch,
 and writes the variables. A step's rows are a ``tf.gather`` of a fixed-size range of the
 order: a ``tf.slice`` whose start is read from a variable made XLA compile the loop anew
 at every call (2-4 s each, whatever the call's steps).
+
+An epoch's permutation is an ``argsort``, and XLA:CPU sorts slowly: ~1.1 ms for 8,192
+rows whatever the dtype, ~4 ms an epoch inside the fit's loop (14-18 us a step of the
+``small`` MLP, 256 steps an epoch), against ~0.45 ms for NumPy. So each call also hands
+the program the orders of the epochs it will enter, computed on the host by
+`Epochs.order` (the definition every backend follows) in a table of a fixed number of
+epochs (`OrderTables`); an epoch past the table (a call longer than the fit's ``steps``)
+is sorted on the device as before. Same orders either way: only where they are computed
+differs (docs/internals/tf.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from .._core import Trace, host_trace
@@ -85,6 +96,46 @@ def _tensor(a: Any) -> Any:
     return tf.convert_to_tensor(a)
 
 
+# The host-computed orders a call hands its program take at most this many bytes (per
+# shuffled dataset); a dataset whose one order is larger is sorted on the device only.
+_TABLE_BYTES = 64 << 20
+
+
+class OrderTables:
+    """The host-computed orders of one shuffled dataset (`Epochs` of ``rows`` rows and a
+    seed), handed to each call as ``(table, span)``: ``table[k]`` (int64, ``[size,
+    rows]``) is the order of epoch ``span[0] + k`` for ``k < span[1]``. ``size`` is fixed
+    at the first call (the program's argument shape): enough epochs for the fit's
+    ``steps`` (or that call's, if more), within `_TABLE_BYTES`."""
+
+    def __init__(self, data: Epochs, steps: int) -> None:
+        spe = data.steps_per_epoch
+        fit = -(-steps // spe) + 1  # a call of `steps` steps from any step
+        self.size = max(1, min(fit, _TABLE_BYTES // (8 * data.rows)))
+        self._orders: OrderedDict[int, np.ndarray] = OrderedDict()  # recent epochs' orders
+        self._held: tuple[Any, Any, Any] | None = None  # (key, table, span) of the last call
+
+    def tensors(self, data: Epochs, step: int, n: int) -> tuple[Any, Any]:
+        """``(table, span)`` for a call of ``n`` steps from global step ``step``."""
+        spe = data.steps_per_epoch
+        first = step // spe
+        count = min(self.size, (step + max(n, 1) - 1) // spe - first + 1)
+        key = (first, count)
+        if self._held is not None and self._held[0] == key:
+            return self._held[1], self._held[2]
+        table = np.zeros((self.size, data.rows), np.int64)
+        for k in range(count):
+            e = first + k
+            if e not in self._orders:
+                self._orders[e] = data.order(e)
+                while len(self._orders) > self.size + 1:
+                    self._orders.popitem(last=False)
+            table[k] = self._orders[e]
+        held = (tf.constant(table), tf.constant([first, count], tf.int64))
+        self._held = (key, *held)
+        return held
+
+
 class Streams:
     """A fit's stream state: the position variable, the epochs' permutations, and the
     layout of the streams the programs were traced for."""
@@ -92,6 +143,7 @@ class Streams:
     def __init__(self) -> None:
         self._pos: tf.Variable | None = None  # [index in the call, global step]
         self._perms: dict[tuple[int, int], tuple[tf.Variable, tf.Variable]] = {}
+        self._tables: dict[tuple[int, int], OrderTables] = {}  # by `_perms` key
         self._feed: Feed | None = None
         self._specs: tuple[Any, ...] = ()  # each iterator slot's element structure
         self._exhausted: tf.Variable | None = None  # the call index an iterator ran out at
@@ -99,6 +151,8 @@ class Streams:
         # While the fused loop's step is traced: the position ("pos") and each permutation's
         # (order, epoch) by `_perms` key, as the loop carries them (see `carrying`).
         self._carry: dict[Any, Any] | None = None
+        # While a step is traced: each table's (table, span) tensors by `_perms` key.
+        self._table_at: dict[tuple[int, int], tuple[Any, Any]] = {}
 
     # -- the host side ------------------------------------------------------------------
 
@@ -139,9 +193,18 @@ class Streams:
                     )
                 flat.extend(_flat_batch((a,))[0])
             slots.append(feed.slots[0])
+        tables: list[tuple[tuple[int, int], int]] = []
         for s, a in zip(slots, args):
             if isinstance(s, Slot) and s.kind == "epochs" and s.shuffle:
                 self._perm_vars(a.rows, s.seed)
+                key = (a.rows, s.seed)
+                if key in (k for k, _ in tables) or 8 * a.rows > _TABLE_BYTES:
+                    continue
+                if key not in self._tables:
+                    self._tables[key] = OrderTables(a, max(n, fit.opts.steps))
+                held = self._tables[key]
+                flat.extend(held.tensors(a, step, n))
+                tables.append((key, held.size))
         if any(not isinstance(s, Slot) for s in slots) and fit.jit_compile:
             if fit.plan["xla"] is not None:  # given jit_compile=True (not "auto")
                 warnings.warn(
@@ -162,7 +225,7 @@ class Streams:
             assert self._exhausted is not None
             self._exhausted.assign(-1)
         self._specs = tuple(specs)
-        return tuple(flat), (_TAG, tuple(slots), tuple(map(str, specs)))
+        return tuple(flat), (_TAG, tuple(slots), tuple(map(str, specs)), tuple(tables))
 
     def step_rows(self, structure: Any, flat: Any) -> list[tuple[str, int | None]]:
         """``(what, leading size)`` of each tensor a step's minibatch holds (None for a
@@ -284,6 +347,12 @@ class Streams:
             return tf.nest.pack_sequence_as(structure, list(flat)), ()
         carry = self._carry
         assert self._pos is not None
+        tables = structure[3]
+        at_table = len(flat) - 2 * len(tables)  # (after the slots' tensors)
+        self._table_at = {
+            key: (flat[at_table + 2 * k], flat[at_table + 2 * k + 1])
+            for k, (key, _) in enumerate(tables)
+        }
         pos = self._pos.read_value() if carry is None else carry["pos"]
         i, t = pos[0], pos[1]
         out: list[Any] = []
@@ -342,9 +411,18 @@ class Streams:
         n = int(first.shape[0])
         key = (n, s.seed)
 
-        def refresh() -> Any:
+        def sort() -> Any:
             keys = epoch_keys(_INTS, epoch % 2**32, tf.range(n, dtype=tf.int64), s.seed)
             return tf.cast(tf.argsort(keys, stable=True), tf.int64)
+
+        def refresh() -> Any:
+            if key not in self._table_at:  # (a dataset too large for a table)
+                return sort()
+            table, span = self._table_at[key]
+            k = epoch - span[0]
+            inside = tf.logical_and(k >= 0, k < span[1])
+            size = int(table.shape[0])
+            return tf.cond(inside, lambda: tf.gather(table, tf.clip_by_value(k, 0, size - 1)), sort)
 
         if self._carry is not None:  # in the fused loop: the carried order (see `carrying`)
             held, current = self._carry[key]
