@@ -12,15 +12,15 @@ in one process, side by side:
 Problems: ``small`` (MLP 32-64-10, batch 32) and ``mnist`` (MLP 784-256-10, batch 128).
 Prints microseconds per step and each one's time over stepfuse's, best of ``--repeats``.
 
-Seen on the 2-core shared CPU box this was written on (torch 2.13 CPU, 2 threads, load
-average 0.1-1.3 from other jobs), 2048 steps (eager timed over 512), best of 3:
-  small: stepfuse 114 us/step, eager DataLoader 1387 us/step (12.2x)
-  mnist: stepfuse 2182 us/step, eager DataLoader 4896 us/step (2.2x)
-On mnist the time is the fused step's own: the same fit over one fixed batch takes ~2250
-us/step (the streams add nothing measurable), an eager loop over resident minibatches (no
-DataLoader) ~3540 us/step. Adam's update of the 200k parameters is about half of it: with
-SGD the fused step takes ~1240 us, and eager Adam's ``step()`` alone ~750 us on this box.
-So 3x over the DataLoader loop was not reached on mnist here.
+Seen on the 2-core shared CPU VM (torch 2.13 CPU, 2 threads), 2048 steps (eager timed over
+512), best of 3, 2026-12-05:
+  small: stepfuse 69.2 us/step, eager DataLoader 858.8 us/step (12.4x)
+  mnist: stepfuse 1523.9 us/step, eager DataLoader 2904.9 us/step (1.9x)
+(an earlier run, 2026-12-04: small 45.8 against 480.2, 10.5x; this VM's timings vary by tens
+of percent from run to run, compare ratios within one run). On mnist the time is the fused
+step's own: its forward and backward pass alone took 873 us a step (2026-12-04), so 3x over
+the DataLoader loop would need the whole step, Adam's update of the 200k parameters
+included, in ~70% of that: not reached.
 
 Usage:
   python benchmarks/data_torch.py [--problems small mnist] [--steps 2048] [--eager-steps 512]
