@@ -19,8 +19,8 @@ Seen on the 2-core shared CPU VM (torch 2.13 CPU, 2 threads), 2048 steps (eager 
 (an earlier run, 2026-12-04: small 45.8 against 480.2, 10.5x; this VM's timings vary by tens
 of percent from run to run, compare ratios within one run). On mnist the time is the fused
 step's own: its forward and backward pass alone took 873 us a step (2026-12-04), so 3x over
-the DataLoader loop would need the whole step, Adam's update of the 200k parameters
-included, in ~70% of that: not reached.
+today's DataLoader loop (968 us a step) would leave ~95 us for Adam's update of the 200k
+parameters and the finite check: not reached.
 
 Usage:
   python benchmarks/data_torch.py [--problems small mnist] [--steps 2048] [--eager-steps 512]
