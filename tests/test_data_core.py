@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import stepfuse as sf
-from stepfuse._core.data import NUMPY_INTS, Feed, Slot, epoch_keys, feed_of
+from stepfuse._core.data import NUMPY_INTS, Feed, Slot, epoch_keys, feed_of, rows_of_keys
 
 
 def test_root_exports_the_streams():
@@ -199,3 +199,19 @@ def test_jax_runs_streams():
     data = sf.Epochs(np.eye(2, dtype=np.float32), batch_size=1, seed=0)
     state, trace = fit(state, data)
     assert fit.mode == "fused" and int(state.step) == 4 and trace.steps == 2
+
+
+@pytest.mark.parametrize(
+    ("rows", "seed", "epoch"), [(44, 7, 0), (8192, 0, 5), (1000, 2**40 + 3, 123456), (3, 1, 2**33)]
+)
+def test_rows_of_keys_inverts_epoch_keys(rows: int, seed: int, epoch: int) -> None:
+    # The JAX loop sorts the keys alone and maps them back to their rows (`rows_of_keys`):
+    # on the sorted keys that must be exactly `Epochs.order`.
+    e = np.int64(epoch % 2**32)
+    with np.errstate(over="ignore"):
+        keys = epoch_keys(NUMPY_INTS, e, np.arange(rows, dtype=np.int64), seed)
+        back = rows_of_keys(NUMPY_INTS, e, keys, seed)
+        order = rows_of_keys(NUMPY_INTS, e, np.sort(keys), seed)
+    np.testing.assert_array_equal(back, np.arange(rows))
+    data = sf.Epochs(np.zeros((rows, 1)), batch_size=1, seed=seed)
+    np.testing.assert_array_equal(order, data.order(epoch))

@@ -98,6 +98,33 @@ def _fmix32(ops: IntOps, h: Any) -> Any:
     return ops.xor(h, ops.shr(h, 16))
 
 
+def _unfmix32(ops: IntOps, h: Any) -> Any:
+    """The inverse of `_fmix32` (each step undone in reverse order: ``h ^ (h >> 16)`` is
+    its own inverse, ``h ^ (h >> 13)`` is undone by ``^ (h >> 13) ^ (h >> 26)``, and a
+    product by an odd constant by the product by its inverse modulo 2**32)."""
+    h = ops.xor(h, ops.shr(h, 16))
+    h = _mul32(ops, h, pow(0xC2B2AE35, -1, 2**32))
+    h = ops.xor(ops.xor(h, ops.shr(h, 13)), ops.shr(h, 26))
+    h = _mul32(ops, h, pow(0x85EBCA6B, -1, 2**32))
+    return ops.xor(h, ops.shr(h, 16))
+
+
+def _epoch_offset(ops: IntOps, epoch: Any, seed: int) -> Any:
+    """The epoch's ``c`` of `epoch_keys`."""
+    k = ops.const
+    s0, s1 = k(seed & _M32), k((seed >> 32) & _M32)
+    c = _fmix32(ops, ops.band(ops.xor(epoch, s1) + k(0x9E3779B9), k(_M32)))
+    return _fmix32(ops, ops.band(ops.xor(c, s0) + k(0x7F4A7C15), k(_M32)))
+
+
+def rows_of_keys(ops: IntOps, epoch: Any, keys: Any, seed: int) -> Any:
+    """The rows whose `epoch_keys` are ``keys`` (the inverse of `epoch_keys`): on the keys
+    sorted, the epoch's order. A sort of the keys alone is much cheaper than an
+    ``argsort`` on some backends (XLA:CPU in JAX: 0.24 against 1.6 ms for 8,192 rows)."""
+    c = _epoch_offset(ops, epoch, seed)
+    return ops.band(_unfmix32(ops, keys) + (ops.const(_M32) - c) + ops.const(1), ops.const(_M32))
+
+
 def epoch_keys(ops: IntOps, epoch: Any, rows: Any, seed: int) -> Any:
     """The sort keys of an epoch's rows: ``argsort(epoch_keys(...))`` is the epoch's order.
 
@@ -106,11 +133,8 @@ def epoch_keys(ops: IntOps, epoch: Any, rows: Any, seed: int) -> Any:
     The keys are distinct (a bijection of ``rows + c`` for one ``c`` per epoch), so any
     sort, stable or not, gives the same permutation.
     """
-    k = ops.const
-    s0, s1 = k(seed & _M32), k((seed >> 32) & _M32)
-    c = _fmix32(ops, ops.band(ops.xor(epoch, s1) + k(0x9E3779B9), k(_M32)))
-    c = _fmix32(ops, ops.band(ops.xor(c, s0) + k(0x7F4A7C15), k(_M32)))
-    return _fmix32(ops, ops.band(rows + c, k(_M32)))
+    c = _epoch_offset(ops, epoch, seed)
+    return _fmix32(ops, ops.band(rows + c, ops.const(_M32)))
 
 
 def _is_array(a: Any) -> bool:

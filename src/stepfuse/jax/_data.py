@@ -10,7 +10,8 @@ Inside the program (`Streams`, built while the loop is traced) step ``i`` of the
 global step ``t = state.step + i``, reads entry ``i`` of a `Batches` array and rows
 ``order(t // steps_per_epoch)[(t % steps_per_epoch) * batch_size : ... + batch_size]`` of
 an `Epochs` one. A shuffled `Epochs` carries its epoch's permutation in the loop's carry
-(`Carry.feed`): ``argsort(epoch_keys(...))`` over unsigned 32-bit words, the order
+(`Carry.feed`): ``argsort(epoch_keys(...))`` over unsigned 32-bit words (computed as the
+keys sorted, mapped back to rows: `rows_of_keys`), the order
 `Epochs.order` gives on the host, computed once at the call's start and again only when
 the epoch changes (a ``lax.cond`` at the start of each chunk of steps, and the chunk ends
 at the epoch boundary), so a step pays a slice and a gather, never a sort.
@@ -26,7 +27,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core import fail
-from .._core.data import Batches, Epochs, FunctionInts, IntOps, Slot, epoch_keys, feed_of
+from .._core.data import (
+    Batches,
+    Epochs,
+    FunctionInts,
+    IntOps,
+    Slot,
+    epoch_keys,
+    feed_of,
+    rows_of_keys,
+)
 
 __all__ = ["JAX_INTS", "Streams", "epoch_order", "host_pick", "prepare"]
 
@@ -45,7 +55,9 @@ def epoch_order(rows: int, seed: int, epoch: Any) -> jax.Array:
     dataset of ``rows`` rows: `stepfuse.Epochs.order`, as an int32 array on the device."""
     e = jnp.asarray(epoch).astype(jnp.uint32)
     keys = epoch_keys(JAX_INTS, e, jnp.arange(rows, dtype=jnp.uint32), seed)
-    return jnp.argsort(keys).astype(jnp.int32)
+    # The keys sorted, mapped back to their rows: XLA:CPU sorts one operand ~6x faster
+    # than it sorts keys with their indices (an argsort).
+    return rows_of_keys(JAX_INTS, e, jnp.sort(keys), seed).astype(jnp.int32)
 
 
 # -- the streams as pytrees ---------------------------------------------------------------

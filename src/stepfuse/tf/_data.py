@@ -41,7 +41,16 @@ import numpy as np
 import tensorflow as tf
 
 from .._core import Trace, host_trace
-from .._core.data import Batches, Epochs, Feed, FunctionInts, Slot, epoch_keys, feed_of
+from .._core.data import (
+    Batches,
+    Epochs,
+    Feed,
+    FunctionInts,
+    Slot,
+    epoch_keys,
+    feed_of,
+    rows_of_keys,
+)
 from ._checks import _flat_batch
 
 __all__ = ["OutOfDataError", "Streams"]
@@ -412,8 +421,9 @@ class Streams:
         key = (n, s.seed)
 
         def sort() -> Any:
-            keys = epoch_keys(_INTS, epoch % 2**32, tf.range(n, dtype=tf.int64), s.seed)
-            return tf.cast(tf.argsort(keys, stable=True), tf.int64)
+            e = epoch % 2**32
+            keys = epoch_keys(_INTS, e, tf.range(n, dtype=tf.int64), s.seed)
+            return rows_of_keys(_INTS, e, tf.sort(keys), s.seed)  # (an argsort, ~20% faster)
 
         def refresh() -> Any:
             if key not in self._table_at:  # (a dataset too large for a table)
