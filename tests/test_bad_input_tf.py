@@ -26,6 +26,7 @@ import tensorflow as tf
 
 import stepfuse.tf as sf
 import stepfuse.tf.v1 as v1
+from stepfuse import Batches
 from stepfuse.problems import blobs, perceptron_init
 
 tf1 = tf.compat.v1
@@ -227,6 +228,35 @@ def test_tf1_reference_variables_are_refused_with_the_fix():
             r"reference variable.*enable_resource_variables",
         ):
             v1.fuse(loss, tf1.train.GradientDescentOptimizer(0.1), steps=3)
+
+
+def test_tf1_loss_fn_that_cannot_take_the_data_is_named_before_any_graph_is_built():
+    """loss_fn() without data, loss_fn(*minibatch) with it: a mismatch names loss_fn (the
+    user's own function, not a wrapper), the cause and the fix, and builds nothing."""
+    g = tf.Graph()
+    with g.as_default():
+        w = tf1.get_variable("w", initializer=tf.ones(3))
+        before = len(g.get_operations())
+        cases = [
+            (lambda a: tf.reduce_sum(w * a), None, r"no arguments.*'a'.*data=stepfuse"),
+            (
+                lambda a, b: tf.reduce_sum(w * a),
+                Batches(np.ones((4, 3), np.float32)),
+                r"loss_fn\(\*minibatch\) with the 1 arrays.*'b'.*one parameter per array",
+            ),
+        ]
+        for loss_fn, data, match in cases:
+            with pytest.raises(TypeError, match=f"`loss_fn`.*{match}") as e:
+                v1.fuse(loss_fn, tf1.train.GradientDescentOptimizer(0.1), steps=2, data=data)
+            assert repr(loss_fn) in str(e.value)
+        assert len(g.get_operations()) == before
+
+        def vector():
+            return w * 2.0
+
+        with pytest.raises(ValueError, match="`loss_fn` must be .*scalar") as e:
+            v1.fuse(vector, tf1.train.GradientDescentOptimizer(0.1), steps=2)
+        assert "vector" in str(e.value)
 
 
 @pytest.mark.parametrize("steps_kind", ["int", "tensor"])
@@ -436,3 +466,33 @@ def test_case_count():
     n = len(TF2_CASES) + len(V1_CASES) + 1 + 2 + 8 + 1
     print(f"bad-input cases: TF2 table {len(TF2_CASES)}, TF1 table {len(V1_CASES)}, total {n}")
     assert len(TF2_CASES) >= 50 and len(V1_CASES) >= 25
+
+
+def test_an_optimizer_built_for_another_model_is_named_at_fuse():
+    """Keras would say "Unknown variable" only at the first update, inside the loop."""
+    models = [keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]) for _ in range(2)]
+    optimizer = keras.optimizers.Adam(0.1)
+    optimizer.build(models[0].trainable_variables)
+    slots = [v.numpy() for v in optimizer.variables]
+    with pytest.raises(
+        ValueError,
+        match=r"`optimizer` must be .*built for these variables.*not for \[.*kernel.*"
+        r"Create a new optimizer",
+    ):
+        sf.fuse(lambda x: tf.reduce_sum(models[1](x)), optimizer, models[1], steps=2)
+    assert len(optimizer.variables) == len(slots)
+    fit = sf.fuse(lambda x: tf.reduce_sum(models[0](x) ** 2), optimizer, models[0], steps=2)
+    assert fit(tf.ones((4, 3))).steps == 2  # the model it was built for
+
+
+def test_python_lists_as_arrays_get_a_short_error_with_the_fix():
+    """``fit(x.tolist(), y.tolist())``: a list is a structure (as tf.function reads it), so
+    loss_fn gets scalars; the error says so briefly rather than listing every scalar."""
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)])
+    ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    fit = sf.fuse(lambda x, y: ce(y, model(x)), keras.optimizers.SGD(0.1), model, steps=2)
+    with pytest.raises(ValueError, match=r"`batch` must fit loss_fn") as e:
+        fit(X.tolist(), Y.tolist())
+    text = str(e.value)
+    assert f"a list of {X.size} scalars" in text and "np.asarray" in text
+    assert len(text) < 2000, len(text)

@@ -758,3 +758,26 @@ def test_call_steps_rejected():
     with pytest.raises(ValueError, match="`steps`"):
         fit(steps=0)
     np.testing.assert_array_equal(w.numpy(), [1.0])
+
+
+@pytest.mark.parametrize(
+    ("one", "many", "expected"), [(170e-6, 160e-6, None), (170e-6, 195e-6, 5.0)]
+)
+def test_auto_trial_reports_a_step_below_the_noise_as_unresolved(one, many, expected):
+    """A trial whose call of m steps is no slower than its call of 1 step resolves no
+    time a step: plan says so (``us_per_step`` None), never "0.0 us"."""
+    from stepfuse.tf._plan import timed
+
+    calls = []
+
+    def run(xla, m):  # a scripted clock: XLA calls of 1 step, then of 6
+        calls.append((xla, m))
+        return one if m == 1 else many
+
+    plan = timed(run, steps=6, limit=6)
+    assert plan["xla"] is True and calls[-1] == (True, 6) and all(x for x, _ in calls)
+    assert plan["us_per_step"] == {"xla": expected}
+    if expected is None:
+        assert "below the calls' noise" in plan["reason"] and "0.0 us" not in plan["reason"]
+    else:
+        assert "ran a step in 5.0 us (calls of 1 and 6 steps)" in plan["reason"]

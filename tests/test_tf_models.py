@@ -180,3 +180,57 @@ def test_jit_compile_false_draws_the_same_without_a_warning():
         first = fit(x, y).loss
     ref_losses, _ = plain_loop("cnn")
     assert_close(first, ref_losses[:3], RTOL, ATOL, what="losses")
+
+
+@pytest.mark.parametrize("mode", ["fused", "stepwise"])
+def test_a_head_the_loss_never_reads_is_left_alone_as_in_the_plain_loop(mode):
+    """A two-headed model whose loss reads one head: as Keras's apply_gradients, the fit
+    updates what the loss reaches, leaves the other head (and its moments) alone, and
+    equals the plain loop; Keras's own warning names the head."""
+
+    def build_two_heads():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        hidden = keras.layers.Dense(5, activation="tanh")(inputs)
+        heads = [keras.layers.Dense(CLASSES)(hidden), keras.layers.Dense(2, name="unused")(hidden)]
+        model = keras.Model(inputs, heads)
+        return model, keras.optimizers.Adam(0.01), (lambda x, y: _ce(y, model(x)[0]))
+
+    rng = np.random.default_rng(1)
+    x = tf.constant(rng.normal(size=(BATCH, 4)).astype(np.float32))
+    y = tf.constant(rng.integers(0, CLASSES, size=BATCH).astype(np.int32))
+    model, optimizer, loss_fn = build_two_heads()
+    unused = [v.numpy() for v in model.get_layer("unused").trainable_variables]
+    ref = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (Keras's, at each eager step)
+        for _ in range(sum(CALLS)):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(x, y)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            ref.append(float(loss))
+    ref_state = state(model, optimizer)
+
+    model, optimizer, loss_fn = build_two_heads()
+    fit = sf.fuse(loss_fn, optimizer, model, steps=max(CALLS), mode=mode)
+    with pytest.warns(UserWarning, match=r"Gradients do not exist for variables.*unused"):
+        traces = [fit(x, y, steps=n) for n in CALLS]
+    assert fit.mode == mode, fit.plan
+    losses = np.concatenate([t.loss for t in traces])
+    assert_close(losses, np.asarray(ref, np.float32), RTOL, ATOL, what="losses")
+    assert_close(state(model, optimizer), ref_state, RTOL, ATOL, what="two heads")
+    for before, v in zip(unused, model.get_layer("unused").trainable_variables):
+        np.testing.assert_array_equal(v.numpy(), before)
+
+
+def test_a_loss_that_reaches_no_variable_is_refused():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    x = tf.ones((3, 4))
+    fit = sf.fuse(lambda x: tf.reduce_sum(x), keras.optimizers.SGD(0.1), model, steps=2)
+    before = [v.numpy() for v in model.trainable_variables]
+    with pytest.raises(ValueError, match=r"`loss_fn`.*No gradient reaches any of"):
+        fit(x)
+    for b, v in zip(before, model.trainable_variables):
+        np.testing.assert_array_equal(v.numpy(), b)

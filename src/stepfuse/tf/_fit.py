@@ -128,6 +128,8 @@ class Fit(Stepwise):
         if not optimizer.built:
             with self._scope():
                 optimizer.build(variables)
+        else:
+            _check_known(optimizer, variables)
         # Everything a refused update must leave untouched: parameters and optimizer state.
         self._state = self._tf_vars + [_tf_var(v) for v in optimizer.variables]
         # The model's other variables that the forward pass may change: read before it and
@@ -326,27 +328,29 @@ class Fit(Stepwise):
             except (TypeError, ValueError) as e:
                 if isinstance(e, _ArgumentError):
                     raise
-                shapes = tf.nest.map_structure(
-                    lambda b: f"{b.dtype.name}{list(b.shape)}", list(batch)
-                )
+                shapes = ", ".join(_described(b) for b in batch)
+                cause = str(e).strip()
+                if len(cause) > 600:
+                    cause = cause[:600] + " [...]"
                 exc = TypeError if isinstance(e, TypeError) else ValueError
                 raise exc(
-                    f"`batch` must fit loss_fn; got {len(batch)} tensor(s) {shapes} and "
-                    f"loss_fn(*batch) failed while tracing: {e} -- Pass the tensors loss_fn "
-                    "expects (count, shapes, dtypes), e.g. fit(x, y) for loss_fn(x, y)."
+                    f"`batch` must fit loss_fn; got {len(batch)} argument(s) [{shapes}] and "
+                    f"loss_fn(*batch) failed while tracing: {cause} -- Pass the tensors "
+                    "loss_fn expects (count, shapes, dtypes), e.g. fit(x, y) for loss_fn(x, y)."
                 ) from e
         _check_loss(loss, self.loss_fn)
         loss = tf.convert_to_tensor(loss)
         grads = tape.gradient(loss, self._tf_vars)
-        missing = [v.name for v, g in zip(self._tf_vars, grads) if g is None]
-        if missing:
+        # As the plain loop's apply_gradients: a variable no gradient reaches (a model's
+        # unused head) is left alone, with Keras's warning naming it; none reached is an error.
+        if all(g is None for g in grads):
             _fail(
                 ValueError,
                 "loss_fn",
                 self.loss_fn,
-                "a loss that depends on every variable",
-                f"No gradient reaches {missing}: read those variables inside loss_fn "
-                "(not their numpy() values), or leave them out of `variables`.",
+                "a loss that depends on the variables it trains",
+                f"No gradient reaches any of {[v.name for v in self._tf_vars]}: read those "
+                "variables inside loss_fn (not their numpy() values).",
             )
         if has:  # an iterator ran out: a NaN loss refuses the step (`_data.OutOfDataError`)
             loss = tf.where(has[0], loss, tf.constant(float("nan"), loss.dtype))
@@ -582,3 +586,42 @@ class Fit(Stepwise):
                 out = run()
         self._compiled.add(key)
         return out
+
+
+def _check_known(optimizer: Any, variables: Any) -> None:
+    """A built optimizer knows every variable (Keras applies updates only to the variables
+    it was built for, and says so only at the first update, deep in the loop)."""
+    check = getattr(optimizer, "_check_variables_are_known", None)
+    if check is None:
+        return
+    unknown = []
+    for v in variables:
+        try:
+            check([v])
+        except ValueError:
+            unknown.append(getattr(v, "path", None) or v.name)
+    if unknown:
+        _fail(
+            ValueError,
+            "optimizer",
+            optimizer,
+            "an optimizer not yet built, or built for these variables",
+            f"It was built for other variables, not for {unknown}. Create a new optimizer "
+            "for this model (a Keras optimizer keeps its slots for the variables it was "
+            "built for).",
+        )
+
+
+def _described(arg: Any) -> str:
+    """One batch argument, briefly: ``float32[50, 3]``, or a structure's leaves (a list of
+    numbers named as such: ``fit(x.tolist())`` hands loss_fn a list of scalar tensors)."""
+    if isinstance(arg, (tf.Tensor, tf.Variable)):
+        return f"{arg.dtype.name}{list(arg.shape)}"
+    leaves = tf.nest.flatten(arg)
+    if isinstance(arg, list) and leaves and all(getattr(t, "shape", None) == () for t in leaves):
+        return (
+            f"a list of {len(leaves)} scalars (a list is a structure of separate tensors, "
+            "as tf.function reads it: np.asarray(...) makes it one array)"
+        )
+    text = str(tf.nest.map_structure(lambda b: f"{b.dtype.name}{list(b.shape)}", arg))
+    return text if len(text) <= 200 else text[:200] + " [...]"

@@ -24,7 +24,7 @@ calls of at most ~`_TRIAL_SECONDS` each (or of one step, where a step takes long
 program of the kept path is the one the fit goes on running (no second trace); the other
 is dropped. ``fit.plan`` says what was chosen and why: ``{"xla": bool, "reason": str}``,
 with ``"us_per_step": {"xla": ..., "tf": ...}`` (the best trial times) where a trial timed
-them. Given ``jit_compile=True`` or ``False``, the fit does as told (``reason`` says so).
+them (``None`` where a step took less time than the trial calls' noise). Given ``jit_compile=True`` or ``False``, the fit does as told (``reason`` says so).
 """
 
 from __future__ import annotations
@@ -118,10 +118,17 @@ def timed(run: Any, steps: int, limit: int) -> dict[str, Any]:
         many[True] = run(True, m)
     per_step = {True: _slope(one[True], many[True], m)}
     if 1e6 * per_step[True] < _XLA_SURE_US:
+        if per_step[True] > 0:
+            ran = f"ran a step in {1e6 * per_step[True]:.1f} us (calls of 1 and {m} steps)"
+        else:  # the m-step call no slower than the best 1-step call: below the noise
+            ran = (
+                f"ran a call of {m} steps in {1e3 * many[True]:.3g} ms against "
+                f"{1e3 * one[True]:.3g} ms for 1 step (a step's time is below the calls' "
+                "noise)"
+            )
         plan: dict[str, Any] = {
             "xla": True,
-            "reason": f"jit_compile='auto': the XLA loop ran a step in "
-            f"{1e6 * per_step[True]:.1f} us (calls of 1 and {m} steps), under the "
+            "reason": f"jit_compile='auto': the XLA loop {ran}, under the "
             f"{_XLA_SURE_US:.0f} us a step that a loop of TensorFlow's kernels costs in "
             "dispatch alone",
         }
@@ -146,8 +153,9 @@ def timed(run: Any, steps: int, limit: int) -> dict[str, Any]:
             f"TensorFlow's kernels (best of {_TRIAL_ROUNDS} timed calls of 1 and {m} "
             "steps each way)",
         }
-    plan["us_per_step"] = {
-        ("xla" if k else "tf"): round(1e6 * t, 2) for k, t in sorted(per_step.items())
+    plan["us_per_step"] = {  # (None: a step's time below what the trial calls resolve)
+        ("xla" if k else "tf"): round(1e6 * t, 2) if t > 0 else None
+        for k, t in sorted(per_step.items())
     }
     return plan
 

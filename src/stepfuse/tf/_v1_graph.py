@@ -3,6 +3,7 @@ the variables a loss trains, and one guarded step's ops."""
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any
 
@@ -142,12 +143,43 @@ def _check_loss_fn(loss_fn: Any) -> None:
         )
 
 
-def _prepare(loss_fn, optimizer, var_list):
-    """Checks, the first (variable-creating) forward pass, the var list and the slots."""
+def _check_arity(loss_fn: Any, n: int | None) -> None:
+    """``loss_fn`` can be called with ``n`` positional arguments: none without ``data``,
+    one a data array with it (a signature that Python cannot read is not checked)."""
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*range(n or 0))
+    except TypeError as e:
+        if not n:
+            _fail(
+                TypeError,
+                "loss_fn",
+                loss_fn,
+                f"a function called with no arguments, as loss_fn() (no data= given; {e})",
+                "Read the batch from placeholders inside loss_fn, or pass "
+                "data=stepfuse.Batches(...) or stepfuse.Epochs(...) to have loss_fn called "
+                "with each step's minibatch, as loss_fn(*minibatch).",
+            )
+        _fail(
+            TypeError,
+            "loss_fn",
+            loss_fn,
+            f"a function called as loss_fn(*minibatch) with the {n} arrays of data ({e})",
+            f"Give loss_fn one parameter per array of data ({n}).",
+        )
+
+
+def _prepare(loss_fn, optimizer, var_list, shown=None):
+    """Checks, the first (variable-creating) forward pass, the var list and the slots.
+    ``shown``: the user's function, where ``loss_fn`` wraps it (for messages)."""
     _check_graph_mode()
     _check_loss_fn(loss_fn)
     _check_optimizer(optimizer)
-    loss0 = _check_loss(loss_fn(), loss_fn)  # creates the variables (tf1.get_variable, layers)
+    # (creates the variables: tf1.get_variable, layers)
+    loss0 = _check_loss(loss_fn(), loss_fn if shown is None else shown)
     given = var_list
     if var_list is None:
         # As optimizer.minimize(loss): the trainable variables the loss reads (another

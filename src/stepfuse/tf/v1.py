@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from .._core import Options, ceil_div, check_int, check_options
+from .._core.data import Batches, Epochs
 from .._core.options import shared_doc_of
 from ._checks import _fail
 from ._loop import Buffers, _inner_loop, _outer_loop
@@ -24,6 +25,7 @@ from ._v1_data import V1Data, _resource_variable
 from ._v1_eval import V1Eval
 from ._v1_fit import Fit, Fused, Stepwise
 from ._v1_graph import (
+    _check_arity,
     _check_graph_mode,
     _check_loss_fn,
     _check_optimizer,
@@ -198,6 +200,8 @@ def fuse(
     _check_graph_mode()
     _check_loss_fn(loss_fn)
     _check_optimizer(optimizer)
+    if data is None or isinstance(data, (Batches, Epochs)):
+        _check_arity(loss_fn, None if data is None else len(data.arrays))
     streams = None if data is None else V1Data(data, steps_given)
     # The fit's step count in the graph, where a step depends on it (an Epochs minibatch,
     # the evaluation schedule, a callback's step numbers).
@@ -210,7 +214,7 @@ def fuse(
             return loss_fn()
         return loss_fn(*streams.first(None if counter is None else counter.read_value()))
 
-    loss0, var_list, state = _prepare(first, optimizer, var_list)
+    loss0, var_list, state = _prepare(first, optimizer, var_list, shown=loss_fn)
     if global_step is not None and all(v is not global_step for v in state):
         state = state + [global_step]  # a refused update leaves it too; stepwise commits it
     _warn_stale_hyper_parameters(optimizer, state)
