@@ -224,6 +224,26 @@ def data_parallel() -> dict:
     return out
 
 
+def guide() -> dict:
+    """docs/guides/jax.md's data-parallel example, then its FSDP one, as written."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "jax.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    dp = next(b for b in blocks if 'Mesh(np.array(jax.devices()), ("data",))' in b and "def " in b)
+    fsdp = next(b for b in blocks if "grid = Mesh" in b)
+    scope: dict = {}
+    exec(compile(dp, "jax.md (data parallel)", "exec"), scope)
+    first = scope["trace"]
+    exec(compile(fsdp, "jax.md (FSDP)", "exec"), scope)
+    w1 = scope["state"].params["w1"]
+    return {
+        "steps": [first.steps, scope["trace"].steps],
+        "w1_shards": len({str(s.index) for s in w1.addressable_shards}),
+    }
+
+
 def multihost(pid: int, port: int) -> dict:
     """Process ``pid`` of two, each with 4 of the mesh's 8 devices and its half of the
     batch, after ``jax.distributed.initialize`` (CPU collectives through gloo)."""
@@ -258,4 +278,4 @@ if __name__ == "__main__":
     if len(sys.argv) > 1:  # multihost PID PORT
         print(json.dumps(multihost(int(sys.argv[2]), int(sys.argv[3]))), flush=True)
     else:
-        print(json.dumps({"devices": jax.device_count(), **data_parallel()}))
+        print(json.dumps({"devices": jax.device_count(), **data_parallel(), "guide": guide()}))

@@ -303,6 +303,31 @@ def test_failed_calls_leave_the_state_untouched_and_the_fit_usable():
     assert trace.steps == 4 and trace.stop is Stop.STEPS
 
 
+@pytest.mark.parametrize("mode", ["fused", "stepwise"])
+def test_a_raising_callback_hands_back_the_state_at_its_step(mode):
+    """As a plain loop stopped by its callback: the updates up to the callback's step are
+    kept, in ``error.state`` (a JAX fit updates nothing in place); the input is unchanged."""
+    stops = []
+
+    def callback(step, loss):
+        if step == 5:
+            stops.append(step)
+            raise RuntimeError("stop here")
+
+    fit = sf.fuse(perceptron_loss, optax.adam(0.1), steps=9, callback=callback, every=1, mode=mode)
+    state = fit.init(perceptron_init())
+    state, _ = fit(state, X, Y, steps=2)  # the step count runs on from a call before
+    with pytest.raises(RuntimeError, match="stop here") as caught:
+        fit(state, X, Y)
+    assert stops == [5] and int(state.step) == 2
+    reached = caught.value.state
+    assert int(reached.step) == 5 and "error.state" in "".join(caught.value.__notes__)
+    ref = sf.fuse(perceptron_loss, optax.adam(0.1), steps=9)
+    want, _ = ref(state, X, Y, steps=3)
+    for u, v in zip(jax.tree_util.tree_leaves(reached), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_array_equal(u, v)
+
+
 # -- a loss that does not depend on params ---------------------------------------------------
 
 
@@ -372,3 +397,14 @@ def test_python_control_flow_on_traced_values_names_the_loss_and_jaxs_reason(mis
     fit = sf.fuse(loss, optax.sgd(0.1), steps=2)
     with pytest.raises(TypeError, match=r"loss_fn\(params, \*batch\)` failed .*(traced|tracer)"):
         fit(fit.init(jnp.ones(3)), jnp.ones(3))
+
+
+def test_a_loss_returning_a_pair_without_has_aux_is_told_of_the_flag():
+    def with_aux(p, x, y):
+        return perceptron_loss(p, x, y), {"norm": jnp.sum(p["kernel"] ** 2)}
+
+    fit = sf.fuse(with_aux, optax.sgd(0.1), steps=2)
+    with pytest.raises(TypeError, match=r"`loss_fn` must .*tuple of 2: .*has_aux=True"):
+        fit(fit.init(perceptron_init()), X, Y)
+    fit = sf.fuse(with_aux, optax.sgd(0.1), steps=2, has_aux=True)
+    assert fit(fit.init(perceptron_init()), X, Y)[1].steps == 2

@@ -113,7 +113,7 @@ def _loss(case):
             "integer": lambda x, y: tf.cast(w.loss(x, y) * 100, tf.int32),
             "string": lambda x, y: "loss",
             "none": lambda x, y: None,
-            "bias_unused": lambda x, y: ce(y, tf.matmul(x, w.k)),
+            "reads_no_variable": lambda x, y: ce(y, tf.matmul(x, tf.stop_gradient(w.k))),
             "numpy_read": lambda x, y: ce(y, tf.matmul(x, w.k.numpy()) + w.b),
         }[case]
 
@@ -151,7 +151,7 @@ TF2_CASES = [
             lambda w, c=c, m=m: _call(w, {"loss": _loss(c)(w), "mode": m}),
             "`loss_fn`",
         )
-        for c in ("vector", "integer", "string", "none", "bias_unused", "numpy_read")
+        for c in ("vector", "integer", "string", "none", "reads_no_variable", "numpy_read")
         for m in ("fused", "stepwise")
     ],
     *[

@@ -8,6 +8,7 @@ import pytest
 import stepfuse
 from stepfuse import Stop, Trace
 from stepfuse._core import check_call_steps, check_options, host_trace, run_stepwise
+from stepfuse._core.evaluation import check_eval_batch, eval_values
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, "3", True, None])
@@ -251,3 +252,29 @@ def test_bench_harness_interleaves_rounds_until_each_contender_had_min_seconds()
     assert took >= 2 * 0.3 and a > 2 and b > 2  # rounds went on until each was timed 0.3 s
     _, a, b, _ = timed(min_seconds=100.0, max_rounds=3)
     assert a <= 3 * 5 and b <= 3 * 5  # three rounds at most, not 100 s
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (
+            lambda: stepfuse.Batches([[1.0, 2.0]], np.ones((1, 2))),
+            r"`Batches\(\*arrays\)\[0\]` must be an array .*; got a list \(list\)\.",
+        ),
+        (lambda: stepfuse.Batches.from_iterable(5, 2), r"`iterable` must be .*got a int \(int\)"),
+        (
+            lambda: check_eval_batch((np.ones(2),), None),
+            r"`eval_batch` must be passed only .*; got a tuple \(tuple\)\.",
+        ),
+        (lambda: eval_values(np.ones(3)), r"got a value of shape \(3,\) \(ndarray\)\."),
+        (
+            lambda: eval_values({"acc": np.ones(3)}),
+            r"got a dict whose 'acc' is of shape \(3,\) \(dict\)\.",
+        ),
+    ],
+)
+def test_a_value_described_in_an_error_names_its_own_type(make, match):
+    """A large or structured value is described, and "(type)" is its type, not ``str``."""
+    with pytest.raises((TypeError, ValueError), match=match) as e:
+        make()
+    assert "(str)" not in str(e.value)

@@ -143,3 +143,9 @@ def test_two_processes_after_distributed_initialize_equal_one_device() -> None:
         assert r["loss_gap"] <= TOL * 10 and r["state_gap"] <= TOL
     # each notification reaches the host once, in the process of the mesh's first device
     assert rows[0]["notes"] + rows[1]["notes"] == [4, 8, 12]
+
+
+def test_the_guides_data_parallel_and_fsdp_examples_run_as_written(results: dict) -> None:
+    """docs/guides/jax.md's two mesh examples on the 8 devices: 1,000 steps each, and the
+    FSDP one's w1 split in 4 over the grid's "fsdp" axis."""
+    assert results["guide"] == {"steps": [1000, 1000], "w1_shards": 4}

@@ -928,3 +928,49 @@ def test_callbacks_get_float64_losses_whole_under_x64(tmp_path):
     """,
         JAX_ENABLE_X64="1",
     )
+
+
+@pytest.mark.parametrize("mode", ["fused", "stepwise"])
+@pytest.mark.parametrize(
+    "guarded",
+    [
+        pytest.param(lambda: optax.apply_if_finite(optax.adam(1e-2), 5), id="apply_if_finite"),
+        pytest.param(lambda: optax.chain(optax.zero_nans(), optax.adam(1e-2)), id="zero_nans"),
+    ],
+)
+def test_an_optimizer_that_guards_its_gradients_goes_on_as_its_plain_loop(guarded, mode):
+    """A NaN gradient on one minibatch (the loss masks the bad row, so it stays finite):
+    optax.apply_if_finite skips that update, zero_nans zeroes the NaNs, and the plain loop
+    goes on; so does the fit, whose check leaves the gradients to the optimizer (the
+    loss, parameters and state still checked)."""
+    import stepfuse
+
+    x, y = blobs()
+    xs, ys = x[:48].reshape(6, 8, 2).copy(), y[:48].reshape(6, 8)
+    xs[2, 0, 0] = np.nan
+
+    def loss_fn(p, x, y):
+        logits = x @ p["kernel"] + p["bias"]
+        each = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        ok = jnp.isfinite(each)
+        return jnp.sum(jnp.where(ok, each, 0.0)) / jnp.maximum(ok.sum(), 1)
+
+    params = perceptron_init()
+    tx = guarded()
+    opt_state, p, ref = tx.init(params), params, []
+    for i in range(6):
+        value, g = jax.value_and_grad(loss_fn)(p, xs[i], ys[i])
+        updates, opt_state = tx.update(g, opt_state, p)
+        p = optax.apply_updates(p, updates)
+        ref.append(float(value))
+    assert not np.all(np.isfinite(jax.grad(loss_fn)(params, xs[2], ys[2])["kernel"]))
+
+    fit = sf.fuse(loss_fn, guarded(), steps=6, mode=mode)
+    state, trace = fit(fit.init(params), stepfuse.Batches(xs, ys))
+    assert trace.steps == 6 and trace.stop is Stop.STEPS
+    np.testing.assert_allclose(trace.loss, ref, rtol=RTOL, atol=ATOL)
+    for u, v in zip(
+        jax.tree_util.tree_leaves((state.params, state.opt_state)),
+        jax.tree_util.tree_leaves((p, opt_state)),
+    ):
+        np.testing.assert_allclose(u, v, rtol=RTOL, atol=ATOL)

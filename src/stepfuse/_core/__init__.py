@@ -13,7 +13,14 @@
 - `protocol`: what a backend supplies.
 """
 
-from .driver import CallbackErrors, Notifier, deferred_interrupts, next_multiple, paced_every
+from .driver import (
+    CallbackErrors,
+    Notifier,
+    deferred_interrupts,
+    next_multiple,
+    paced_every,
+    with_state,
+)
 from .evaluation import (
     EvalTrace,
     check_eval_batch,
@@ -43,6 +50,7 @@ __all__ = [
     "HOST",
     "OPTIONS_DOC",
     "CallbackErrors",
+    "with_state",
     "EvalTrace",
     "FitLike",
     "Flow",

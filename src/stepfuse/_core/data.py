@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .options import fail
+from .options import Described, fail
 
 __all__ = [
     "Batches",
@@ -169,7 +169,7 @@ def _check_arrays(cls: str, arrays: Sequence[Any], what: str, unknown: bool = Fa
             fail(
                 ValueError,
                 f"{cls}(*arrays)[{j}]",
-                a if isinstance(a, (int, float, str)) else type(a).__name__,
+                a if isinstance(a, (int, float, str)) else Described(f"a {type(a).__name__}", a),
                 "an array (NumPy, JAX, TensorFlow or torch) with a leading axis",
                 "Convert it first, e.g. np.asarray(data); a stream holds arrays only.",
             )
@@ -275,7 +275,7 @@ class Batches:
             fail(
                 TypeError,
                 "iterable",
-                type(iterable).__name__,
+                Described(f"a {type(iterable).__name__}", iterable),
                 "an iterable of batches (a DataLoader, a generator, a list)",
                 "Pass an object you can iterate over, e.g. a torch DataLoader.",
             )
@@ -303,7 +303,7 @@ class Batches:
                     fail(
                         ValueError,
                         f"iterable (batch {k}, part {j})",
-                        type(p).__name__,
+                        Described(f"a {type(p).__name__}", p),
                         "an array",
                         "Yield arrays (or tuples of arrays) from the iterable.",
                     )

@@ -52,6 +52,7 @@ class CallbackErrors:
 
     def __init__(self) -> None:
         self.error: BaseException | None = None
+        self.step = 0  # the step of the notification that raised it
 
     def clear(self) -> None:
         self.error = None
@@ -63,12 +64,29 @@ class CallbackErrors:
         try:
             notify(step, loss)
         except BaseException as e:  # noqa: BLE001 - re-raised by `reraise`
-            self.error = e
+            self.error, self.step = e, int(step)
 
     def reraise(self) -> None:
         if self.error is not None:
             error, self.error = self.error, None
             raise error
+
+
+def with_state(error: BaseException, state: Any, step: int) -> BaseException:
+    """``error`` (a callback's, in a backend whose fit returns its state rather than
+    updating it in place) carrying the state its call reached: ``error.state``, the
+    updates up to ``step`` applied, as a plain loop stopped there would hold them (an
+    attribute of that name the error already has is left, and the note says so)."""
+    if getattr(error, "state", None) is None:
+        error.state = state  # type: ignore[attr-defined]
+        where = "error.state"
+    else:
+        where = "nowhere (the error already has a `state` attribute)"
+    error.add_note(
+        f"stepfuse: the fit's state after update {step} (the callback's step), the updates "
+        f"up to it applied, is {where}; the state passed to the call is unchanged."
+    )
+    return error
 
 
 class _Drawer:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .options import fail
+from .options import Described, fail
 
 if TYPE_CHECKING:
     from .trace import Trace
@@ -131,7 +131,7 @@ def check_eval_batch(eval_batch: Any, eval_fn: Callable | None) -> tuple:
         fail(
             ValueError,
             "eval_batch",
-            type(eval_batch).__name__,
+            Described(f"a {type(eval_batch).__name__}", eval_batch),
             "passed only to a fit built with `eval_fn`",
             "Build with fuse(..., eval_fn=..., eval_every=...) to evaluate inside the loop.",
         )
@@ -168,13 +168,17 @@ def eval_values(out: Any) -> dict[str, Any]:
             if not isinstance(name, str):
                 fail(TypeError, "eval_fn", out, "a dict with str keys", fix)
             if not _is_scalar(v):
-                shape = getattr(v, "shape", type(v).__name__)
-                fail(TypeError, "eval_fn", f"{{{name!r}: {shape}}}", "a dict of scalars", fix)
+                shape = getattr(v, "shape", None)
+                what = f"shape {tuple(shape)}" if shape is not None else type(v).__name__
+                got = Described(f"a dict whose {name!r} is of {what}", out)
+                fail(TypeError, "eval_fn", got, "a dict of scalars", fix)
             values[name] = v
         return values
     if not _is_scalar(out):
-        what = f"a value of shape {tuple(out.shape)}" if hasattr(out, "shape") else out
-        fail(TypeError, "eval_fn", what, "a scalar or a dict of scalars", fix)
+        got = (
+            Described(f"a value of shape {tuple(out.shape)}", out) if hasattr(out, "shape") else out
+        )
+        fail(TypeError, "eval_fn", got, "a scalar or a dict of scalars", fix)
     return {SCALAR: out}
 
 

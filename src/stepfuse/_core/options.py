@@ -75,10 +75,22 @@ def shared_doc(fn: _F) -> _F:
     return _put_options(fn, OPTIONS_DOC)
 
 
+class Described:
+    """A value received, described rather than shown (a large value or structure): what
+    `fail` writes after "got", the type's name with it."""
+
+    def __init__(self, text: str, value: Any):
+        self.text, self.kind = text, type(value).__name__
+
+
 def fail(exc: type[BaseException], name: str, value: Any, want: str, fix: str) -> NoReturn:
     """Raise ``exc`` with stepfuse's argument error: the argument's name, what it must be,
-    the value received (and its type) and how to fix it."""
-    raise exc(f"`{name}` must be {want}; got {value!r} ({type(value).__name__}). {fix}")
+    the value received (and its type) and how to fix it (a `Described` value: its text)."""
+    if isinstance(value, Described):
+        got = f"{value.text} ({value.kind})"
+    else:
+        got = f"{value!r} ({type(value).__name__})"
+    raise exc(f"`{name}` must be {want}; got {got}. {fix}")
 
 
 def _is_int(value: Any) -> bool:

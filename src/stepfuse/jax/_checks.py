@@ -222,10 +222,26 @@ class Loss:
             or not jnp.issubdtype(out.dtype, jnp.floating)
         ):
             desc = f"shape {out.shape}, dtype {out.dtype}" if hasattr(out, "shape") else repr(out)
+            fix = (
+                "Reduce it to a scalar (e.g. jnp.mean) and make it float "
+                "(e.g. .astype(jnp.float32))."
+            )
+            if isinstance(out, (tuple, list)) and not has_aux:
+                n = len(out)
+                fix = (
+                    f"It returned a {type(out).__name__} of {n}: for (loss, aux), build with "
+                    "fuse(..., has_aux=True)"
+                    + (
+                        "; for (loss, new_model_state), with has_state=True."
+                        if not has_state
+                        else "; with has_state=True it returns (loss, new_model_state)."
+                    )
+                    + " Otherwise r"
+                    + fix[1:]
+                )
             raise TypeError(
                 f"`loss_fn` must return a floating-point scalar{' (with aux)' if has_aux else ''}; "
-                f"got {desc}. Reduce it to a scalar (e.g. jnp.mean) and make it float "
-                "(e.g. .astype(jnp.float32))."
+                f"got {desc}. {fix}"
             )
         if has_state:
             self._check_new_state(model_state, new_state)

@@ -29,6 +29,7 @@ from .._core import (
     named_evals,
     paced_every,
     run_stepwise,
+    with_state,
 )
 from . import _data, _host, _program
 from ._checks import (
@@ -224,7 +225,20 @@ class Fit:
                 assert self._notifier is not None
                 self._notifier.done(done)
                 self._seconds_per_step = seconds / max(done, 1)
-        self._errors.reraise()
+        if self._errors.error is not None:  # a callback's: the state at its step with it
+            error, at = self._errors.error, self._errors.step
+            self._errors.clear()
+            # (the device loop ran on past it; `again`: check every step, as `_checked`)
+            reached, _, _, _ = self._rerun(
+                start,
+                batch,
+                eval_args,
+                self._int32(at - int(start.step)),
+                period,
+                host_id,
+                exact=bool(again),
+            )
+            raise with_state(error, reached, at)
         if not traced and scan_steps is None and int(stop) == Stop.NONFINITE:
             state = self._rebuild(start, batch, eval_args, int(applied), period, host_id)
         k = self.opts.record_every
@@ -529,16 +543,32 @@ class Fit:
         def evaluate() -> dict:
             return self._evaluate(held["params"], held["model"], eval_batch)
 
+        failed: list[int] = []  # the step of a notification that raised
+
+        def notify(step: int, loss: float) -> None:
+            try:
+                note(step, loss)
+            except BaseException:
+                failed.append(step)
+                raise
+
         with Notifier(self.opts, start, n, label="stepfuse.jax") as note:
-            trace = run_stepwise(
-                propose_step,
-                commit,
-                n,
-                self.opts,
-                start,
-                note if self.opts.notify else None,
-                evaluate if self.opts.eval_fn is not None else None,
-            )
+            try:
+                trace = run_stepwise(
+                    propose_step,
+                    commit,
+                    n,
+                    self.opts,
+                    start,
+                    notify if self.opts.notify else None,
+                    evaluate if self.opts.eval_fn is not None else None,
+                )
+            except BaseException as e:
+                if not failed:
+                    raise
+                # (a notification follows its step's commit: held is the state at its step)
+                reached = FitState(held["params"], held["opt"], jnp.int32(failed[0]), held["model"])
+                raise with_state(e, reached, failed[0]) from None
             note.done(trace.steps)
         if evaluation is not None:
             trace = named_evals(trace, evaluation.dtypes)

@@ -118,6 +118,21 @@ def _float(x: Any) -> bool:
     return bool(jnp.issubdtype(jnp.result_type(x), jnp.inexact))
 
 
+# optax's transformations that skip or zero a non-finite gradient themselves; an optimizer
+# holding one sees its gradients unchecked (see `guards_gradients`).
+_GUARDS = (optax.ApplyIfFiniteState, optax.ZeroNansState)
+
+
+def guards_gradients(opt_state: Any) -> bool:
+    """Whether the optimizer guards itself against non-finite gradients
+    (``optax.apply_if_finite``, ``optax.zero_nans``). Its plain loop goes on past a NaN/inf
+    gradient (the update skipped or the NaNs zeroed), so the step's check leaves the
+    gradients to it: the loss, the new parameters and the new state are still checked,
+    and a step that makes one of them non-finite is refused as always."""
+    guards = jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, _GUARDS))
+    return any(isinstance(x, _GUARDS) for x in guards)
+
+
 def plan(
     optimizer: optax.GradientTransformation,
     loss: Loss,
@@ -145,7 +160,8 @@ def plan(
     g_at = [start[1] + j for j, g in enumerate(leaves[1]) if _float(g)]
     s_at = [j for j, s in enumerate(leaves[2]) if _float(s)]
     in_params = frozenset().union(*new_params)
-    grads_now = tuple(g not in in_params for g in g_at)
+    guarded = guards_gradients(opt_state)
+    grads_now = tuple(g not in in_params and not guarded for g in g_at)
     params_kept = [start[3] + j in new_params[j] for j in range(n_params)]
     state_kept = [start[2] + j in new_state[j] for j in s_at]
     kept_by = frozenset().union(
@@ -158,7 +174,7 @@ def plan(
     return Plan(
         grads_now,
         lazy=True,
-        lazy_grads=tuple(g not in kept_by for g in g_at),
+        lazy_grads=tuple(g not in kept_by and not guarded for g in g_at),
         lazy_params=tuple(not k for k in params_kept),
         lazy_state=tuple(not k for k in state_kept),
     )
