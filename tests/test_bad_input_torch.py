@@ -210,6 +210,22 @@ def test_batch_error_keeps_torchs_error_and_is_still_a_runtime_error(adam_percep
     assert "(50, 3)" in str(err.value)
 
 
+@pytest.mark.parametrize("kind", ["numpy", "list"])
+def test_a_numpy_or_list_batch_is_named_with_the_fix(adam_perceptron, kind):
+    """torch's own TypeError (``linear(): ... must be Tensor``) becomes one that names the
+    argument and says to pass tensors; nothing changes."""
+    model, optimizer, loss_fn = adam_perceptron
+    before = [p.detach().clone() for p in model.parameters()]
+    fit = sf.fuse(loss_fn, optimizer, steps=3)
+    x = X.numpy() if kind == "numpy" else X.tolist()
+    with pytest.raises(
+        TypeError, match=r"`batch` does not fit .*Argument\(s\) 0 .*torch.as_tensor"
+    ):
+        fit(x, Y)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert fit.step == 0
+
+
 @pytest.mark.parametrize("mode", ["stepwise", "fused"])
 def test_a_raising_callback_reaches_the_user_with_the_state_of_the_last_completed_step(mode):
     model, optimizer, loss_fn = make("perceptron", "adam")

@@ -803,6 +803,26 @@ def test_bfloat16_model_runs_fused_and_equals_stepwise():
     assert_close_lists(out["fused"][1], out["stepwise"][1], rtol=2e-2, atol=1e-2)
 
 
+def test_an_lr_scheduler_stepped_after_a_fused_call_sees_the_optimizer_stepped():
+    """torch's schedulers watch optimizer.step(), which a fused call does not run: the call
+    says it ran, so the scheduler neither warns "lr_scheduler.step() before
+    optimizer.step()" nor skips the schedule's first value; the lr is the plain loop's."""
+    lrs = {}
+    for mode in ("fused", "stepwise"):
+        model, optimizer, loss_fn = make("perceptron", "sgd")
+        base = optimizer.param_groups[0]["lr"]
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        fit = sf.fuse(loss_fn, optimizer, steps=3, mode=mode)
+        fit(X, Y)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            scheduler.step()
+        assert_mode(fit, mode)
+        lrs[mode] = (optimizer.param_groups[0]["lr"], fit(X, Y).loss)
+    assert lrs["fused"][0] == lrs["stepwise"][0] == base * 0.5
+    np.testing.assert_allclose(lrs["fused"][1], lrs["stepwise"][1], rtol=1e-6)
+
+
 def test_a_callback_that_changes_the_lr_takes_effect_for_the_rest_of_the_call():
     """Hyper-parameters are compiled into the fused program: one the callback changes
     mid-call recompiles it for the remaining steps (the old lr was used silently), with a

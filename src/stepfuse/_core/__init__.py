@@ -33,6 +33,7 @@ from .evaluation import (
 from .loop import HOST, Flow, Ops
 from .options import (
     OPTIONS_DOC,
+    Described,
     Options,
     check_call_steps,
     check_int,
@@ -50,6 +51,7 @@ __all__ = [
     "HOST",
     "OPTIONS_DOC",
     "CallbackErrors",
+    "Described",
     "with_state",
     "EvalTrace",
     "FitLike",

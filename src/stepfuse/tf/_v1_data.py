@@ -59,7 +59,7 @@ def _host_array(a: Any, j: int) -> np.ndarray:
         _fail(
             TypeError,
             f"data (Epochs array {j})",
-            f"an array of dtype {host.dtype}",
+            Described(f"an array of dtype {host.dtype}", a),
             "an array of numbers or booleans",
             "Convert it to a numeric NumPy array first.",
         )

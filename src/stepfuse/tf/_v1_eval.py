@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from .._core import EvalTrace, ceil_div, eval_due, eval_values, host_evals
+from .._core import Described, EvalTrace, ceil_div, eval_due, eval_values, host_evals
 from ._checks import _fail
 from ._v1_graph import _reuse_scope
 
@@ -50,7 +50,7 @@ def _scalars(out: Any) -> dict[str, Any]:
             _fail(
                 TypeError,
                 "eval_fn",
-                f"a value of dtype {t.dtype.name}",
+                Described(f"a value of dtype {t.dtype.name}", t),
                 "a function returning real numbers (float, int or bool scalars)",
                 "Cast it, e.g. tf.cast(value, tf.float32).",
             )

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._core import fail
+from .._core import Described, fail
 from .._core.data import Epochs, Feed, FunctionInts, IntOps, Slot, epoch_keys, feed_of
 from ._program import batch_key
 
@@ -62,7 +62,7 @@ def _check_device(a: Any, device: torch.device, name: str) -> None:
         fail(
             ValueError,
             name,
-            f"a tensor on {a.device}",
+            Described(f"a tensor on {a.device}", a),
             f"a tensor on the model's device ({device})",
             f"Move it there first, e.g. .to({str(device)!r}) (nothing was run or changed).",
         )

@@ -359,6 +359,8 @@ class Fit:
         finally:
             for p, g in zip(self._params, grads_before):
                 p.grad = g
+            if self.step > start:  # what optimizer.step() tells an lr scheduler watching it
+                self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return finish(trace, self.opts, start)
 
     def _probe(self, batch: tuple) -> None:

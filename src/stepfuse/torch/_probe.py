@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .._core import fail
+from .._core import Described, fail
 from ._rules import HANDLED, IGNORED_GROUP_KEYS, SUPPORTED_OPTIMIZERS, Rule, refusal
 from ._state import put_back
 
@@ -387,6 +387,20 @@ def _check_loss(
                 f"{type(e).__name__}: {first.rstrip('.')}. Pass tensors of the shapes and dtypes the model "
                 "expects (nothing was run or changed)."
             ) from e
+        except TypeError as e:  # e.g. a NumPy array or a list where torch wants a tensor
+            foreign = [
+                f"{k} ({type(b).__module__}.{type(b).__name__})"
+                for k, b in enumerate(batch)
+                if isinstance(b, (list, tuple)) or type(b).__module__.split(".")[0] == "numpy"
+            ]
+            if not foreign:
+                raise
+            first = " / ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())
+            raise TypeError(
+                f"`batch` does not fit `loss_fn`: loss_fn(*batch) raised TypeError: "
+                f"{first.rstrip('.')}. Argument(s) {', '.join(foreign)} are no torch tensors: "
+                "pass torch.as_tensor(...) on the model's device (nothing was run or changed)."
+            ) from e
         fix = "Return one floating-point scalar computed from the model, e.g. F.cross_entropy(model(x), y)."
         if not isinstance(loss, torch.Tensor):
             fail(TypeError, "loss_fn", loss, "a function returning a scalar tensor", fix)
@@ -394,7 +408,7 @@ def _check_loss(
             fail(
                 ValueError,
                 "loss_fn",
-                f"a tensor of shape {tuple(loss.shape)}",
+                Described(f"a loss of shape {tuple(loss.shape)}", loss),
                 "a function returning a scalar (0-dim) tensor",
                 fix + " Reduce it, e.g. .mean().",
             )
@@ -402,7 +416,7 @@ def _check_loss(
             fail(
                 TypeError,
                 "loss_fn",
-                f"a tensor of dtype {loss.dtype}",
+                Described(f"a loss of dtype {loss.dtype}", loss),
                 "a function returning a floating-point scalar",
                 fix,
             )
@@ -410,7 +424,7 @@ def _check_loss(
             fail(
                 ValueError,
                 "loss_fn",
-                "a loss that does not depend on the parameters",
+                Described("a loss that does not depend on the parameters", loss),
                 "a function of the optimizer's parameters",
                 "Compute the loss from the model whose parameters the optimizer holds.",
             )
@@ -496,7 +510,9 @@ def check_arguments(loss_fn: Any, optimizer: Any, model: Any) -> None:
             fail(
                 TypeError,
                 "optimizer",
-                f"a parameter of dtype {getattr(p, 'dtype', type(p))}",
+                Described(
+                    f"one with a parameter of dtype {getattr(p, 'dtype', type(p))}", optimizer
+                ),
                 "an optimizer over floating-point parameters",
                 "Use float parameters (e.g. torch.float32); integer tensors cannot be trained.",
             )
@@ -504,7 +520,9 @@ def check_arguments(loss_fn: Any, optimizer: Any, model: Any) -> None:
         fail(
             ValueError,
             "optimizer",
-            f"an optimizer whose {len(params)} parameters all have requires_grad=False",
+            Described(
+                f"one whose {len(params)} parameters all have requires_grad=False", optimizer
+            ),
             "an optimizer over at least one parameter that requires grad",
             "Unfreeze the parameters to train (p.requires_grad_(True)).",
         )
