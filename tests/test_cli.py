@@ -12,7 +12,12 @@ from stepfuse.cli import main
 from stepfuse.demo import available_backends
 
 
-@pytest.mark.parametrize("backend", available_backends())
+# The torch demo compiles three programs (about a minute of CI): it runs with --runslow, as
+# does the tf/tf1 minibatch demo; `stepfuse demo` with no --backend (the README's) runs JAX.
+@pytest.mark.parametrize(
+    "backend",
+    [pytest.param(b, marks=pytest.mark.slow) if b == "torch" else b for b in available_backends()],
+)
 def test_demo_passes_its_check_and_writes_json_and_plot(backend, tmp_path, capsys):
     out, png = tmp_path / "demo.json", tmp_path / "demo.png"
     code = main(
@@ -61,10 +66,9 @@ def test_demo_with_the_stale_gradient_fails_its_check(tmp_path):
     assert json.loads(out.read_text())["check_passed"] is False
 
 
-# The torch demo compiles three programs (the 1-step, N-step and timed fits): --runslow.
 @pytest.mark.parametrize(
     "backend",
-    [pytest.param(b, marks=pytest.mark.slow) if b == "torch" else b for b in available_backends()],
+    [b if b == "jax" else pytest.param(b, marks=pytest.mark.slow) for b in available_backends()],
 )
 def test_demo_with_minibatches_passes_its_check_and_the_stale_gradient_fails_it(backend):
     """``--batch-size``: every step takes its own minibatch (a shuffled Epochs), and the
@@ -120,11 +124,18 @@ def test_backend_not_installed_is_reported(monkeypatch, capsys):
     assert "not installed" in capsys.readouterr().err
 
 
-def test_bench_quick_has_every_contender_of_every_backend(tmp_path):
+# One backend a run: the torch row compiles its fits and torch.compile's (about two
+# minutes of CI) and runs with --runslow.
+@pytest.mark.parametrize(
+    "backend",
+    [pytest.param(b, marks=pytest.mark.slow) if b == "torch" else b for b in available_backends()],
+)
+def test_bench_quick_has_every_contender_of_every_backend(backend, tmp_path):
     out = tmp_path / "bench.json"
     t0 = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "stepfuse.cli", "bench", "--quick", "--json", str(out)],
+        [sys.executable, "-m", "stepfuse.cli", "bench", "--quick", "--backends", backend]
+        + ["--json", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -136,15 +147,13 @@ def test_bench_quick_has_every_contender_of_every_backend(tmp_path):
 
     from stepfuse.bench.__main__ import MODULES
 
-    for backend in available_backends():
-        module = importlib.import_module(MODULES[backend])
-        for size in ("seed", "mlp"):
-            got = {
-                r["contender"] for r in results if r["backend"] == backend and r["problem"] == size
-            }
-            assert got == set(module.CONTENDERS), (backend, size, got)
-            assert all(r["us_per_step"] > 0 for r in results if r["backend"] == backend)
-    print(f"bench --quick took {elapsed:.0f} s")
+    module = importlib.import_module(MODULES[backend])
+    assert {r["backend"] for r in results} == {backend}
+    for size in ("seed", "mlp"):
+        got = {r["contender"] for r in results if r["problem"] == size}
+        assert got == set(module.CONTENDERS), (backend, size, got)
+    assert all(r["us_per_step"] > 0 for r in results)
+    print(f"bench --quick --backends {backend} took {elapsed:.0f} s")
 
 
 # The torch row compiles the CNN's program (about two minutes of CI): it runs with --runslow.
@@ -187,8 +196,11 @@ def test_bench_model_rows_report_each_fits_mode(backend, sizes, tmp_path):
         assert [r["mode"] for r in results][:2] == ["fused", "fused, no XLA"]
 
 
-# The torch rows compile a fit (--runslow); the JAX and TF rows take seconds.
-@pytest.mark.parametrize("backend", ["jax", "tf", pytest.param("torch", marks=pytest.mark.slow)])
+# The torch rows compile a fit and the TF rows trace Keras' loops (--runslow); JAX's take
+# seconds.
+@pytest.mark.parametrize(
+    "backend", ["jax"] + [pytest.param(b, marks=pytest.mark.slow) for b in ("tf", "torch")]
+)
 def test_bench_data_rows_have_every_contender_and_the_fused_mode(backend, tmp_path):
     """``--sizes data-small``: the Epochs fit against its framework's minibatch loops,
     side by side; the stepfuse row says the fit ran fused."""

@@ -171,7 +171,15 @@ def _run(script: str, run: str, path: Path) -> dict[str, np.ndarray]:
         return {k: f[k] for k in f.files}
 
 
-@pytest.mark.parametrize("backend", sorted(SCRIPTS))
+# torch (its program compiled in each of three processes) and TF1 run with --runslow; the
+# in-process resume of every backend is tested with its data streams.
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param(b, marks=pytest.mark.slow) if b in ("torch", "tf1") else b
+        for b in sorted(SCRIPTS)
+    ],
+)
 def test_epochs_fit_restored_in_a_new_process_continues_exactly(backend, tmp_path) -> None:
     if backend not in available_backends():
         pytest.skip(f"{backend} is not installed")

@@ -133,7 +133,7 @@ def same(a: list[np.ndarray], b: list[np.ndarray]) -> None:
 RUNS = (5, 2, 4)  # 11 steps: into epoch 5 (2 steps an epoch); not multiples of eval_every
 
 
-@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("shuffle", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_epochs_across_boundaries_fused_equals_stepwise_and_the_plain_loop(shuffle: bool) -> None:
     data = sf.Epochs(X, Y, batch_size=4, shuffle=shuffle, seed=7)
     ref, ref_vars, _ = plain([(X[rows_of(data, t)], Y[rows_of(data, t)]) for t in range(11)])
@@ -167,7 +167,10 @@ def test_epochs_n_steps_in_one_run_equal_k_then_the_rest_bitwise() -> None:
         np.testing.assert_array_equal(u, v)
 
 
-@pytest.mark.parametrize("saver", ["all_variables", "checkpoint.saver"])
+# The stepfuse saver in CI; a Saver of every variable (the same restore) with --runslow.
+@pytest.mark.parametrize(
+    "saver", [pytest.param("all_variables", marks=pytest.mark.slow), "checkpoint.saver"]
+)
 def test_a_saver_checkpoint_restored_in_a_new_graph_continues_exactly(saver: str, tmp_path) -> None:
     """Save at step k with tf1.train.Saver, go on in the same session (the uninterrupted
     run), restore into a fit built anew in a new graph and session, go on: bitwise equal."""
@@ -437,6 +440,7 @@ def test_the_tf1_guides_evaluation_example_runs() -> None:
     assert ((accuracy >= 0) & (accuracy <= 1)).all()
 
 
+@pytest.mark.slow  # every case built again, as the tests above build them: --runslow
 def test_the_data_benchmark_script_times_every_case(capsys, benchmark_script) -> None:
     # benchmarks/data_tf1.py on its smallest settings: it runs and reports each case
     benchmark_script("data_tf1").main(["--steps", "3", "--runs", "1", "--batch-size", "5"])

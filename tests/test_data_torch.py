@@ -350,6 +350,8 @@ def teacher():
     )
 
 
+@pytest.mark.slow  # a compile of its own (tol, record_every, callback): the conformance
+# suite and test_torch.py test them fused; over Epochs with a fixed argument: --runslow
 def test_tol_record_every_and_callback_with_epochs_and_a_fixed_argument(teacher):
     fit, model, opt, data, w, seen = (
         teacher[k] for k in ("fit", "model", "opt", "data", "w", "seen")

@@ -113,6 +113,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow  # two more JAX processes compiling (the multi-host guide): --runslow
 def test_two_processes_after_distributed_initialize_equal_one_device() -> None:
     """Multi-host use on one machine: two processes of 4 CPU devices each, one mesh of
     8, each process placing its half of the batch (gloo carries the collectives)."""

@@ -396,6 +396,7 @@ def _guide_example() -> str:
     return re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
 
 
+@pytest.mark.slow  # two more processes compiling (about a minute of CI)
 def test_the_guide_example_runs_under_torchrun(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(_guide_example())

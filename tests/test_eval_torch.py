@@ -355,6 +355,7 @@ def test_fit_without_eval_fn_builds_no_evaluation() -> None:
     assert fit._body(capturable=False).evaluate is None if fit._resolved else False
 
 
+@pytest.mark.slow  # a compile more; the fused == plain test above is the same training
 def test_guide_example_runs() -> None:
     text = GUIDE.read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)

@@ -124,7 +124,15 @@ CHILDREN = {
 }
 
 
-@pytest.mark.parametrize("backend", [b for b in CHILDREN if b in available_backends()])
+# torch's child compiles its fit (about a minute of CI): --runslow.
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param(b, marks=pytest.mark.slow) if b == "torch" else b
+        for b in CHILDREN
+        if b in available_backends()
+    ],
+)
 def test_sigint_leaves_parameters_state_and_step_consistent(backend):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TORCHINDUCTOR_COMPILE_THREADS="1")
     setup, check = CHILDREN[backend]

@@ -72,8 +72,19 @@ def assert_trees_close(a, b, rtol=RTOL, atol=ATOL):
     )
 
 
-@pytest.mark.parametrize("opt_name", OPTIMIZERS)
-@pytest.mark.parametrize("problem", PROBLEMS)
+# The line-search optimizers compile their searches (15-30 s each on a 2-core CPU): on the
+# mlp they run with --runslow, the perceptron's in CI.
+SLOW_ON_MLP = ("lbfgs", "sgd_backtracking_linesearch")
+
+
+@pytest.mark.parametrize(
+    "problem, opt_name",
+    [
+        pytest.param(p, o, marks=pytest.mark.slow) if p == "mlp" and o in SLOW_ON_MLP else (p, o)
+        for p in PROBLEMS
+        for o in OPTIMIZERS
+    ],
+)
 def test_fused_calls_equal_optax_stepwise_loop(problem, opt_name):
     loss_fn, init = PROBLEMS[problem]
     calls = [5, 1, 7, 5, 2]  # several calls, different steps, one program
@@ -98,7 +109,9 @@ def test_fused_calls_equal_optax_stepwise_loop(problem, opt_name):
     assert int(state.step) == sum(calls)
 
 
-@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adam", "lbfgs"])
+@pytest.mark.parametrize(
+    "opt_name", ["sgd_momentum", "adam", pytest.param("lbfgs", marks=pytest.mark.slow)]
+)
 def test_stepwise_mode_equals_fused_mode(opt_name):
     runs = []
     for mode in ("fused", "stepwise"):
@@ -631,15 +644,22 @@ def test_progress_bar_runs_from_inside_the_loop(capsys):
     assert "200/200" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("record_every", [1, 3])
+NOTIFY = {
+    "bar": {"progress": True},
+    "callback": {"callback": lambda s, l: None},
+    "both": {"progress": True, "callback": lambda s, l: None},
+}
+
+
+# Each kind once in CI (bar-1, callback-3, both-3), all six with --runslow.
 @pytest.mark.parametrize(
-    "notify",
+    "notify, record_every",
     [
-        {"progress": True},
-        {"callback": lambda s, l: None},
-        {"progress": True, "callback": lambda s, l: None},
+        pytest.param(notify, every, id=f"{name}-{every}", marks=() if keep else pytest.mark.slow)
+        for name, notify in NOTIFY.items()
+        for every in (1, 3)
+        for keep in [(name, every) in (("bar", 1), ("callback", 3), ("both", 3))]
     ],
-    ids=["bar", "callback", "both"],
 )
 def test_notifications_leave_the_results_unchanged(notify, record_every, capsys):
     plain = sf.fuse(perceptron_loss, optax.adam(0.05), steps=300, record_every=record_every)
@@ -744,6 +764,7 @@ def test_state_that_is_not_a_fitstate():
         fit(perceptron_init(), X, Y)
 
 
+@pytest.mark.slow  # its optimizers' equivalence is the sweep's above; the script: --runslow
 def test_optax_extra_args_benchmark_script_checks_and_times_every_optimizer(
     capsys, benchmark_script
 ):

@@ -137,7 +137,13 @@ def _bad(x: np.ndarray, value: float, at: int) -> np.ndarray:
     return x
 
 
-@pytest.mark.parametrize("name", CATALOGUES["jax"])
+# L-BFGS compiles its line search (about 15 s each here): --runslow.
+SAMPLED = [
+    pytest.param(n, marks=pytest.mark.slow) if n == "lbfgs" else n for n in CATALOGUES["jax"]
+]
+
+
+@pytest.mark.parametrize("name", SAMPLED)
 def test_every_strictness_claim_holds_with_nan_and_inf_in_the_input(name):
     # Whatever the other inputs hold (the step's own values, zeros, or another NaN/inf),
     # a NaN/inf anywhere in an input an output is claimed strict in reaches that output.
@@ -246,7 +252,7 @@ def test_a_bad_step_is_refused_where_the_stepwise_reference_refuses_it(size, cas
         assert len(trace.loss) == 7 and np.all(np.isfinite(trace.loss)), (name, case)
 
 
-@pytest.mark.parametrize("name", CATALOGUES["jax"])
+@pytest.mark.parametrize("name", SAMPLED)
 def test_every_optimizer_on_a_large_model_stops_where_the_reference_stops(name):
     params, (x, t) = problem("large")
     run_both(optimizer(name), params, (x, t, kicks(4, w=np.inf)))

@@ -268,7 +268,9 @@ def test_tol_at_the_last_bit_stops_where_the_recorded_losses_say(steps_kind):
             chunk=None if steps_kind == "int" else 7,
         )
 
-    assert_tol_stops_where_the_recorded_losses_say(run, run(None).loss)
+    # one difference (three tols, a graph each: TF1 builds are slow); index 20 is the chunk
+    # boundary of a tensor `steps` (chunks of 7)
+    assert_tol_stops_where_the_recorded_losses_say(run, run(None).loss, at=(20,))
 
 
 @pytest.mark.parametrize("steps_kind", ["int", "tensor"])

@@ -271,7 +271,16 @@ def fused_and_plain(build, calls=CALLS, **kw):
     return fit, losses, (model, opt), ref, (r_model, r_opt)
 
 
-@pytest.fixture(scope="module", params=sorted(ZOO))
+# CI compiles the cnn, bn_mlp and lstm fits (about 30-70 s each on a 2-core CPU); gru (an
+# RNN as lstm), tied and transformer (attention dropout is also the padded-mask test's) run
+# with --runslow.
+SLOW_ZOO = ("gru", "tied", "transformer")
+
+
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(n, marks=pytest.mark.slow) if n in SLOW_ZOO else n for n in sorted(ZOO)],
+)
 def zoo_fit(request):
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no silent fallback
