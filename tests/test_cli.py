@@ -125,10 +125,13 @@ def test_backend_not_installed_is_reported(monkeypatch, capsys):
 
 
 # One backend a run: the torch row compiles its fits and torch.compile's (about two
-# minutes of CI) and runs with --runslow.
+# minutes of CI) and the tf row traces Keras' loops (one more): they run with --runslow.
 @pytest.mark.parametrize(
     "backend",
-    [pytest.param(b, marks=pytest.mark.slow) if b == "torch" else b for b in available_backends()],
+    [
+        pytest.param(b, marks=pytest.mark.slow) if b in ("torch", "tf") else b
+        for b in available_backends()
+    ],
 )
 def test_bench_quick_has_every_contender_of_every_backend(backend, tmp_path):
     out = tmp_path / "bench.json"

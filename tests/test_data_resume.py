@@ -171,12 +171,13 @@ def _run(script: str, run: str, path: Path) -> dict[str, np.ndarray]:
         return {k: f[k] for k in f.files}
 
 
-# torch (its program compiled in each of three processes) and TF1 run with --runslow; the
-# in-process resume of every backend is tested with its data streams.
+# torch (its program compiled in each of three processes), TF1 and TF2 (whose new-process
+# checkpoint restore is test_reliability_tf's) run with --runslow; the in-process resume of
+# every backend is tested with its data streams.
 @pytest.mark.parametrize(
     "backend",
     [
-        pytest.param(b, marks=pytest.mark.slow) if b in ("torch", "tf1") else b
+        pytest.param(b, marks=pytest.mark.slow) if b in ("torch", "tf1", "tf") else b
         for b in sorted(SCRIPTS)
     ],
 )
