@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
+import pytest
 
 from stepfuse import Stop
 from stepfuse.problems import SEED_LR, blobs, mlp_init, perceptron_init
@@ -353,3 +354,32 @@ def assert_tol_stops_where_the_recorded_losses_say(run, losses, at=(20, 40)):
                 tol,
                 trace,
             )
+
+
+def slow_params(values: Iterable[Any], slow: Iterable[Any]) -> list[Any]:
+    """``values`` for ``pytest.mark.parametrize``, those in ``slow`` marked slow (run with
+    --runslow): the CI run keeps the others."""
+    slow = set(slow)
+    return [pytest.param(v, marks=pytest.mark.slow) if v in slow else v for v in values]
+
+
+# The notification cases of the backends' test_notifications_leave_the_results_unchanged:
+# (notify, record_every); each kind once in CI (bar-1, callback-3, both-3), all six with
+# --runslow.
+_NOTIFY = {
+    "bar": {"progress": True},
+    "callback": {"callback": lambda s, l: None},
+    "both": {"progress": True, "callback": lambda s, l: None},
+}
+NOTIFICATION_CASES = [
+    pytest.param(
+        notify,
+        every,
+        id=f"{name}-{every}",
+        marks=()
+        if (name, every) in (("bar", 1), ("callback", 3), ("both", 3))
+        else pytest.mark.slow,
+    )
+    for name, notify in _NOTIFY.items()
+    for every in (1, 3)
+]

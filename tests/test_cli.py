@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+from helpers import slow_params
 
 from stepfuse.cli import main
 from stepfuse.demo import available_backends
@@ -16,7 +17,7 @@ from stepfuse.demo import available_backends
 # does the tf/tf1 minibatch demo; `stepfuse demo` with no --backend (the README's) runs JAX.
 @pytest.mark.parametrize(
     "backend",
-    [pytest.param(b, marks=pytest.mark.slow) if b == "torch" else b for b in available_backends()],
+    slow_params(available_backends(), {"torch"}),
 )
 def test_demo_passes_its_check_and_writes_json_and_plot(backend, tmp_path, capsys):
     out, png = tmp_path / "demo.json", tmp_path / "demo.png"
@@ -68,7 +69,7 @@ def test_demo_with_the_stale_gradient_fails_its_check(tmp_path):
 
 @pytest.mark.parametrize(
     "backend",
-    [b if b == "jax" else pytest.param(b, marks=pytest.mark.slow) for b in available_backends()],
+    slow_params(available_backends(), {"tf", "tf1", "torch"}),
 )
 def test_demo_with_minibatches_passes_its_check_and_the_stale_gradient_fails_it(backend):
     """``--batch-size``: every step takes its own minibatch (a shuffled Epochs), and the
@@ -128,10 +129,7 @@ def test_backend_not_installed_is_reported(monkeypatch, capsys):
 # minutes of CI) and the tf row traces Keras' loops (one more): they run with --runslow.
 @pytest.mark.parametrize(
     "backend",
-    [
-        pytest.param(b, marks=pytest.mark.slow) if b in ("torch", "tf") else b
-        for b in available_backends()
-    ],
+    slow_params(available_backends(), {"torch", "tf"}),
 )
 def test_bench_quick_has_every_contender_of_every_backend(backend, tmp_path):
     out = tmp_path / "bench.json"

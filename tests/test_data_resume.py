@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import slow_params
 
 from stepfuse.demo import available_backends
 
@@ -176,10 +177,7 @@ def _run(script: str, run: str, path: Path) -> dict[str, np.ndarray]:
 # every backend is tested with its data streams.
 @pytest.mark.parametrize(
     "backend",
-    [
-        pytest.param(b, marks=pytest.mark.slow) if b in ("torch", "tf1", "tf") else b
-        for b in sorted(SCRIPTS)
-    ],
+    slow_params(sorted(SCRIPTS), {"torch", "tf1", "tf"}),
 )
 def test_epochs_fit_restored_in_a_new_process_continues_exactly(backend, tmp_path) -> None:
     if backend not in available_backends():

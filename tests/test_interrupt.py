@@ -16,6 +16,7 @@ import textwrap
 import time
 
 import pytest
+from helpers import slow_params
 
 from stepfuse.demo import available_backends
 
@@ -127,11 +128,7 @@ CHILDREN = {
 # torch's child compiles its fit (about a minute of CI): --runslow.
 @pytest.mark.parametrize(
     "backend",
-    [
-        pytest.param(b, marks=pytest.mark.slow) if b == "torch" else b
-        for b in CHILDREN
-        if b in available_backends()
-    ],
+    slow_params([b for b in CHILDREN if b in available_backends()], {"torch"}),
 )
 def test_sigint_leaves_parameters_state_and_step_consistent(backend):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TORCHINDUCTOR_COMPILE_THREADS="1")

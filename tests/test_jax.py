@@ -8,7 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import ATOL, CATALOGUES, RTOL, assert_tol_stops_where_the_recorded_losses_say
+from helpers import (
+    ATOL,
+    CATALOGUES,
+    NOTIFICATION_CASES,
+    RTOL,
+    assert_tol_stops_where_the_recorded_losses_say,
+    slow_params,
+)
 
 import stepfuse.jax as sf
 from stepfuse import NonFiniteError, Stop
@@ -109,9 +116,7 @@ def test_fused_calls_equal_optax_stepwise_loop(problem, opt_name):
     assert int(state.step) == sum(calls)
 
 
-@pytest.mark.parametrize(
-    "opt_name", ["sgd_momentum", "adam", pytest.param("lbfgs", marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize("opt_name", slow_params(["sgd_momentum", "adam", "lbfgs"], {"lbfgs"}))
 def test_stepwise_mode_equals_fused_mode(opt_name):
     runs = []
     for mode in ("fused", "stepwise"):
@@ -644,23 +649,7 @@ def test_progress_bar_runs_from_inside_the_loop(capsys):
     assert "200/200" in capsys.readouterr().out
 
 
-NOTIFY = {
-    "bar": {"progress": True},
-    "callback": {"callback": lambda s, l: None},
-    "both": {"progress": True, "callback": lambda s, l: None},
-}
-
-
-# Each kind once in CI (bar-1, callback-3, both-3), all six with --runslow.
-@pytest.mark.parametrize(
-    "notify, record_every",
-    [
-        pytest.param(notify, every, id=f"{name}-{every}", marks=() if keep else pytest.mark.slow)
-        for name, notify in NOTIFY.items()
-        for every in (1, 3)
-        for keep in [(name, every) in (("bar", 1), ("callback", 3), ("both", 3))]
-    ],
-)
+@pytest.mark.parametrize("notify, record_every", NOTIFICATION_CASES)
 def test_notifications_leave_the_results_unchanged(notify, record_every, capsys):
     plain = sf.fuse(perceptron_loss, optax.adam(0.05), steps=300, record_every=record_every)
     noted = sf.fuse(

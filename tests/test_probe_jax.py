@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import CATALOGUES
+from helpers import CATALOGUES, slow_params
 
 import stepfuse as sf
 import stepfuse.jax as sfj
@@ -138,9 +138,7 @@ def _bad(x: np.ndarray, value: float, at: int) -> np.ndarray:
 
 
 # L-BFGS compiles its line search (about 15 s each here): --runslow.
-SAMPLED = [
-    pytest.param(n, marks=pytest.mark.slow) if n == "lbfgs" else n for n in CATALOGUES["jax"]
-]
+SAMPLED = slow_params(CATALOGUES["jax"], {"lbfgs"})
 
 
 @pytest.mark.parametrize("name", SAMPLED)

@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_tol_stops_where_the_recorded_losses_say
+from helpers import NOTIFICATION_CASES, assert_tol_stops_where_the_recorded_losses_say
 from tf_helpers import LN2, OPTIMIZERS, Perceptron, make_problem, reference_steps, seed_data, values
 
 import stepfuse.tf as sf
@@ -552,23 +552,7 @@ def test_a_bar_alone_ends_chunks_at_multiples_of_every_paced_by_time(with_callba
         assert sum(m for _, m in chunks) == n
 
 
-NOTIFY = {
-    "bar": {"progress": True},
-    "callback": {"callback": lambda s, l: None},
-    "both": {"progress": True, "callback": lambda s, l: None},
-}
-
-
-# Each kind once in CI (bar-1, callback-3, both-3), all six with --runslow.
-@pytest.mark.parametrize(
-    "notify, record_every",
-    [
-        pytest.param(notify, every, id=f"{name}-{every}", marks=() if keep else pytest.mark.slow)
-        for name, notify in NOTIFY.items()
-        for every in (1, 3)
-        for keep in [(name, every) in (("bar", 1), ("callback", 3), ("both", 3))]
-    ],
-)
+@pytest.mark.parametrize("notify, record_every", NOTIFICATION_CASES)
 def test_notifications_leave_the_results_unchanged(notify, record_every, data, capsys):
     # A bar alone runs chunks sized by time, a callback chunks ending at each multiple of
     # `every`: the trace and the variables must not see the difference.

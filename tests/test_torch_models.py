@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_fused
+from helpers import assert_fused, slow_params
 from torch import nn
 
 import stepfuse.torch as sf
@@ -279,7 +279,7 @@ SLOW_ZOO = ("gru", "tied", "transformer")
 
 @pytest.fixture(
     scope="module",
-    params=[pytest.param(n, marks=pytest.mark.slow) if n in SLOW_ZOO else n for n in sorted(ZOO)],
+    params=slow_params(sorted(ZOO), SLOW_ZOO),
 )
 def zoo_fit(request):
     with warnings.catch_warnings():

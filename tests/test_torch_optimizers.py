@@ -19,7 +19,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from helpers import assert_fused
+from helpers import assert_fused, slow_params
 
 import stepfuse.torch as sft
 from stepfuse.problems import blobs
@@ -82,13 +82,7 @@ def _assert_same(got: dict, ref: dict) -> None:
 
 
 # Adagrad is fused since 0.1.0 and tested in test_torch.py: its option sample runs with --runslow.
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.slow) if n == "adagrad_lr_decay" else n
-        for n in sorted(SAMPLE)
-    ],
-)
+@pytest.mark.parametrize("name", slow_params(sorted(SAMPLE), {"adagrad_lr_decay"}))
 def test_fused_equals_the_plain_loop_over_split_calls(name):
     config = _config(name)
     got = _fused_over_two_calls_equals_the_plain_loop(
