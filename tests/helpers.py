@@ -364,8 +364,8 @@ def slow_params(values: Iterable[Any], slow: Iterable[Any]) -> list[Any]:
 
 
 # The notification cases of the backends' test_notifications_leave_the_results_unchanged:
-# (notify, record_every); each kind once in CI (bar-1, callback-3, both-3), all six with
-# --runslow.
+# (notify, record_every); in CI a bar alone (bar-1) and a bar with a callback (both-3), all
+# six with --runslow.
 _NOTIFY = {
     "bar": {"progress": True},
     "callback": {"callback": lambda s, l: None},
@@ -376,9 +376,7 @@ NOTIFICATION_CASES = [
         notify,
         every,
         id=f"{name}-{every}",
-        marks=()
-        if (name, every) in (("bar", 1), ("callback", 3), ("both", 3))
-        else pytest.mark.slow,
+        marks=() if (name, every) in (("bar", 1), ("both", 3)) else pytest.mark.slow,
     )
     for name, notify in _NOTIFY.items()
     for every in (1, 3)

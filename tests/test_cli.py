@@ -125,11 +125,12 @@ def test_backend_not_installed_is_reported(monkeypatch, capsys):
     assert "not installed" in capsys.readouterr().err
 
 
-# One backend a run: the torch row compiles its fits and torch.compile's (about two
-# minutes of CI) and the tf row traces Keras' loops (one more): they run with --runslow.
+# One backend a run. CI runs jax's; the torch row compiles its fits and torch.compile's
+# (about two minutes of CI), the tf row traces Keras' loops and the tf1 row builds its
+# N-copies graphs (over a minute each): they run with --runslow.
 @pytest.mark.parametrize(
     "backend",
-    slow_params(available_backends(), {"torch", "tf"}),
+    slow_params(available_backends(), {"torch", "tf", "tf1"}),
 )
 def test_bench_quick_has_every_contender_of_every_backend(backend, tmp_path):
     out = tmp_path / "bench.json"

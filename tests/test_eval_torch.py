@@ -91,6 +91,7 @@ def _fit_a(mode: str, seen: list) -> tuple[Any, nn.Module]:
         _loss_of(model),
         torch.optim.Adam(model.parameters(), lr=1e-2),
         steps=5,
+        chunk=2,  # evaluations inside a chunk, at less compile time than the default 4
         eval_fn=_eval_dict(model),
         eval_every=A_EVERY,
         callback=lambda step, loss: seen.append((step, loss)),

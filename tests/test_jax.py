@@ -79,15 +79,16 @@ def assert_trees_close(a, b, rtol=RTOL, atol=ATOL):
     )
 
 
-# The line-search optimizers compile their searches (15-30 s each on a 2-core CPU): on the
-# mlp they run with --runslow, the perceptron's in CI.
-SLOW_ON_MLP = ("lbfgs", "sgd_backtracking_linesearch")
+# CI runs every optimizer on the perceptron and a sample on the mlp (a plain, a stateful,
+# a wrapping and an extra-argument one); the rest of the mlp's, the line searches among
+# them (15-30 s each on a 2-core CPU), run with --runslow.
+CI_ON_MLP = ("sgd_momentum", "adam", "multi_steps_adam", "clip_sam")
 
 
 @pytest.mark.parametrize(
     "problem, opt_name",
     [
-        pytest.param(p, o, marks=pytest.mark.slow) if p == "mlp" and o in SLOW_ON_MLP else (p, o)
+        pytest.param(p, o, marks=pytest.mark.slow) if p == "mlp" and o not in CI_ON_MLP else (p, o)
         for p in PROBLEMS
         for o in OPTIMIZERS
     ],
@@ -254,7 +255,9 @@ def test_tol_stops_early_inside_the_loop():
     np.testing.assert_allclose(state.params, rstate.params, rtol=RTOL)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+# float64 (the same comparison in the loss's dtype; x64 losses: the callback test's) runs
+# with --runslow.
+@pytest.mark.parametrize("dtype", slow_params(["float32", "float64"], {"float64"}))
 def test_tol_at_the_last_bit_stops_where_the_recorded_losses_say(dtype):
     with jax.enable_x64(dtype == "float64"):
         params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), perceptron_init())

@@ -250,7 +250,20 @@ def test_a_bad_step_is_refused_where_the_stepwise_reference_refuses_it(size, cas
         assert len(trace.loss) == 7 and np.all(np.isfinite(trace.loss)), (name, case)
 
 
-@pytest.mark.parametrize("name", SAMPLED)
+# On the large model CI runs a plain, a stateful, a wrapping, a line-search and an
+# extra-argument optimizer and one whose state holds inf; the others with --runslow.
+LARGE_IN_CI = {
+    "sgd",
+    "adam",
+    "multi_steps_adam",
+    "sgd_backtracking_linesearch",
+    "clip_sam",
+    "adam_reduce_on_plateau_every_3",
+}
+LARGE = slow_params(CATALOGUES["jax"], set(CATALOGUES["jax"]) - LARGE_IN_CI)
+
+
+@pytest.mark.parametrize("name", LARGE)
 def test_every_optimizer_on_a_large_model_stops_where_the_reference_stops(name):
     params, (x, t) = problem("large")
     run_both(optimizer(name), params, (x, t, kicks(4, w=np.inf)))

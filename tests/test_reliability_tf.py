@@ -119,8 +119,21 @@ def test_tf2_xla_checks_large_tensors_each(fault):
         assert np.all(np.isfinite(a))
 
 
-@pytest.mark.parametrize("jit", [True, False], ids=["xla", "tf-kernels"])
-@pytest.mark.parametrize("fault", FAULTS)
+# Every fault under XLA; on TF's kernels CI runs the NaN loss and Adam's overflow, the
+# others with --runslow (the same check, other kernels).
+@pytest.mark.parametrize(
+    "fault, jit",
+    [pytest.param(f, True, id=f"{f}-xla") for f in FAULTS]
+    + [
+        pytest.param(
+            f,
+            False,
+            id=f"{f}-tf-kernels",
+            marks=[pytest.mark.slow] * (f not in ("loss_nan", "grad_huge_adam_overflow")),
+        )
+        for f in FAULTS
+    ],
+)
 def test_tf2_fault_stops_before_the_bad_update_state_matches_stepwise_oracle(fault, jit):
     # Both loops: each checks finiteness its own way (`stepfuse.tf._loop._finite_probe`).
     va, oa, la, batch, step = faulty_setup(fault)

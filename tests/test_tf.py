@@ -53,7 +53,12 @@ def test_fused_equals_gradient_tape_loop(opt, problem, jit, data):
         assert abs(losses[0][0] - LN2) < 1e-6
 
 
-@pytest.mark.parametrize("dtype", [tf.float32, tf.float64], ids=["float32", "float64"])
+# float64 (the same comparison in the loss's dtype) runs with --runslow.
+@pytest.mark.parametrize(
+    "dtype",
+    [tf.float32, pytest.param(tf.float64, marks=pytest.mark.slow)],
+    ids=["float32", "float64"],
+)
 def test_tol_at_the_last_bit_stops_where_the_recorded_losses_say(dtype, data):
     x, y = tf.cast(data[0], dtype), data[1]
 

@@ -8,7 +8,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import CATALOGUES, assert_tol_stops_where_the_recorded_losses_say
+from helpers import CATALOGUES, assert_tol_stops_where_the_recorded_losses_say, slow_params
 from tf_helpers import LN2, seed_data, seed_graph, sparse_ce
 
 import stepfuse.tf.v1 as v1
@@ -200,8 +200,16 @@ def test_loss_fetched_with_the_loop_is_the_loss_before_the_run(steps, jit):
         np.testing.assert_allclose(losses[0], loss, rtol=1e-6)
 
 
-@pytest.mark.parametrize("use_keras", [False, True], ids=["get_variable", "keras_layers"])
-@pytest.mark.parametrize("opt", list(V1_OPTIMIZERS))
+# Every optimizer on Keras layers; on tf.get_variable CI runs GradientDescent's, the others
+# with --runslow (the same slots on other variables).
+@pytest.mark.parametrize(
+    "opt, use_keras",
+    [
+        pytest.param(o, False, id=f"{o}-get_variable", marks=[pytest.mark.slow] * (o != "gd"))
+        for o in V1_OPTIMIZERS
+    ]
+    + [pytest.param(o, True, id=f"{o}-keras_layers") for o in V1_OPTIMIZERS],
+)
 def test_optimizers_with_slots_match_the_stepwise_reference(opt, use_keras):
     g, s, f, x, y = _keras_or_variable_graph(V1_OPTIMIZERS[opt], "fused", 4, use_keras)
     gr, sr, fr, xr, yr = _keras_or_variable_graph(V1_OPTIMIZERS[opt], "stepwise", 4, use_keras)
@@ -254,7 +262,8 @@ def float64_seed_run(optimizer, steps, steps_kind="int", **kw):
         return f.run(s, {x: XS.astype(np.float64), y: YS})
 
 
-@pytest.mark.parametrize("steps_kind", ["int", "tensor"])
+# steps as an int (the same loop, a constant count) runs with --runslow.
+@pytest.mark.parametrize("steps_kind", slow_params(["int", "tensor"], {"int"}))
 def test_tol_at_the_last_bit_stops_where_the_recorded_losses_say(steps_kind):
     """float64, whose comparison XLA could round apart from the recorded loss; a tensor
     `steps` runs chunks of 7 steps, so the tols also fall across chunk boundaries."""

@@ -15,6 +15,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from helpers import slow_params
 from torch_helpers import (
     OPTIMIZERS,
     STATE_ATOL,
@@ -108,13 +109,15 @@ def sgd_fit():
     return model, optimizer, fit
 
 
-# AdamW and Adam(decoupled_weight_decay) share Adam's update code: --runslow (one compile each).
+# CI compiles Adam's and RMSprop's. Adagrad (its options are test_torch_optimizers'
+# sample's), AdamW and Adam(decoupled_weight_decay) (Adam's update code) run with
+# --runslow, one compile each.
 @pytest.mark.parametrize(
     "opt",
-    ["adam", "rmsprop", "adagrad"]
+    ["adam", "rmsprop"]
     + [
         pytest.param(o, marks=pytest.mark.slow)
-        for o in ("adamw", "adam_decoupled")
+        for o in ("adagrad", "adamw", "adam_decoupled")
         if o in OPTIMIZERS
     ],
 )
@@ -184,7 +187,9 @@ TOL = {"cpu": dict(rtol=1e-6, atol=1e-7), "cuda": dict(rtol=1e-5, atol=1e-6)}
 and torch's capturable update rules round differently from the eager kernels."""
 
 
-@pytest.mark.parametrize("chunk", [1, 2])  # 1: the default of all but tiny models
+# chunk 1: the default of all but tiny models. A stop inside a longer chunk is the
+# conformance suite's (the perceptron's default chunk, 4): chunk 2 runs with --runslow.
+@pytest.mark.parametrize("chunk", slow_params([1, 2], {2}))
 @pytest.mark.parametrize("device", DEVICES)
 def test_options_tol_record_every_callback_match_stepwise_oracle(device, chunk):
     seen = {"fused": [], "stepwise": []}
@@ -229,7 +234,11 @@ def diverging(model):
     return torch.optim.SGD, [{"params": model.parameters(), "lr": 1e37, "momentum": 0.9}]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+# On the CPU the conformance suite's torch run refuses the same diverging SGD's update at
+# the same step (and test_reliability_torch every kind of fault): --runslow; CUDA's in CI.
+@pytest.mark.parametrize(
+    "device", [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=CUDA)]
+)
 def test_nonfinite_stops_before_the_bad_update_like_the_stepwise_oracle(device):
     runs = {}
     x, y, tol = X.to(device), Y.to(device), TOL[device]
@@ -263,7 +272,9 @@ def test_on_nonfinite_raise_reports_the_step_and_keeps_the_finite_state():
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-@pytest.mark.parametrize("mode", ["fused", "stepwise"])
+# Fused, test_bad_input_torch's raising callback covers it (and the state it leaves): the
+# fused case runs with --runslow.
+@pytest.mark.parametrize("mode", slow_params(["fused", "stepwise"], {"fused"}))
 def test_callback_fires_inside_the_call_and_its_exception_reaches_the_caller(mode):
     calls = []
 
@@ -548,7 +559,10 @@ def test_parameters_outside_the_optimizer_stay_fixed_and_the_fit_stays_fused():
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no silent fallback
         fit = sf.fuse(
-            lambda x, y: torch.nn.functional.cross_entropy(head(body(x)), y), optimizer, steps=4
+            lambda x, y: torch.nn.functional.cross_entropy(head(body(x)), y),
+            optimizer,
+            steps=4,
+            chunk=1,  # (the chunk does not matter here: about half the default's compile)
         )
         losses, _ = run_calls(fit)
     assert_fused(fit)

@@ -2,7 +2,7 @@
 
 The default run fits a sample (one configuration per optimizer the fused mode gained,
 and one of the first five: one compile each, on the seed perceptron with ``chunk=1``;
-Adafactor's with all its options at once);
+Adafactor's with all its options at once; CI three of them, ``SLOW_SAMPLE`` with --runslow);
 the full sweep over torch's own test database (``optim_db``, every CPU configuration) is
 the slow test at the end, also ``benchmarks/torch_optim_sweep.py``. Each fit runs its
 steps in two calls and is compared with the plain ``zero_grad / backward / step`` loop of
@@ -81,8 +81,19 @@ def _assert_same(got: dict, ref: dict) -> None:
         np.testing.assert_allclose(got[k], ref[k], rtol=RTOL, atol=ATOL, err_msg=k)
 
 
-# Adagrad is fused since 0.1.0 and tested in test_torch.py: its option sample runs with --runslow.
-@pytest.mark.parametrize("name", slow_params(sorted(SAMPLE), {"adagrad_lr_decay"}))
+# CI compiles three of the sample (RAdam, Rprop, and Adafactor, whose update takes a path
+# of its own: `stepfuse.torch._adafactor`); ASGD, Adadelta, Adamax, NAdam and Adagrad
+# (update code of the same form as theirs and Adam's) run with --runslow.
+SLOW_SAMPLE = {
+    "asgd_t0",
+    "adadelta_tensor_lr",
+    "adamax_maximize",
+    "nadam_decoupled",
+    "adagrad_lr_decay",
+}
+
+
+@pytest.mark.parametrize("name", slow_params(sorted(SAMPLE), SLOW_SAMPLE))
 def test_fused_equals_the_plain_loop_over_split_calls(name):
     config = _config(name)
     got = _fused_over_two_calls_equals_the_plain_loop(
