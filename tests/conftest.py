@@ -32,10 +32,10 @@ def pytest_addoption(parser):
     )
 
 
-# The files that take longest, longest first (seconds of one worker in a run of the whole
-# suite on a 2-core CPU, 2026-12-05: test_torch 380, test_jax 310, test_tf 275, test_torch_models 250, the
-# conformance suite 200, test_tf_v1 180, test_data_torch 170, test_devices_torch 170,
-# test_reliability_tf 150, test_data_tf1 140): the two workers (``--dist loadfile``, in
+# The files that take longest, longest first (about as many seconds of one worker in a run
+# of the whole suite on a 2-core CPU, 2026-12-05: test_torch 380, test_jax 310, test_tf
+# 275, test_torch_models 250, the conformance suite 200, test_tf_v1 180, test_data_torch
+# 170, test_devices_torch 170, test_reliability_tf 150, test_data_tf1 140): the two workers (``--dist loadfile``, in
 # this order: ``--no-loadscope-reorder``) start with them and end on short files, not on
 # one long file while the other worker has nothing left.
 LONGEST_FIRST = (

@@ -103,7 +103,7 @@ def assert_trees_close(a, b):
 
 
 # derandomize: the same 25 configurations every run (each compiles its own programs, so a
-# random draw made this test take 25 s in one CI run and 104 s in the next).
+# random draw made this test take 25 s in one run of the suite and 104 s in the next).
 @settings(
     max_examples=25,
     deadline=None,

@@ -205,7 +205,7 @@ def test_loss_fetched_with_the_loop_is_the_loss_before_the_run(steps, jit):
 @pytest.mark.parametrize(
     "opt, use_keras",
     [
-        pytest.param(o, False, id=f"{o}-get_variable", marks=[pytest.mark.slow] * (o != "gd"))
+        pytest.param(o, False, id=f"{o}-get_variable", marks=() if o == "gd" else pytest.mark.slow)
         for o in V1_OPTIMIZERS
     ]
     + [pytest.param(o, True, id=f"{o}-keras_layers") for o in V1_OPTIMIZERS],

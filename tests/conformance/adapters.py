@@ -226,7 +226,7 @@ class TorchRun(Run):
 
         self.optimizer = make_optimizer("torch", optimizer, model.parameters())
         # Two steps a loop iteration unless told: stops and call ends fall inside a chunk,
-        # at about 2/3 of the compile time of the perceptron's default (4).
+        # at less compile time than the perceptron's default (4).
         options = {"chunk": 2, **options}
         self.fit = sf.fuse(loss_fn, self.optimizer, mode=mode, **options)
 
