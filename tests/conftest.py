@@ -1,9 +1,22 @@
 import importlib.util
 import os
 import pathlib
+import shutil
+import sys
+import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+# JAX's persistent compilation cache, in a directory of this run (set here, before JAX is
+# imported; the pytest-xdist workers and the subprocesses inherit it): tests compile the
+# same programs again (a fit per test, a fit per Hypothesis example). test_jax.py with
+# test_properties_jax.py took 175 s with it and 190 s without, one process each, empty
+# cache at the start.
+_JAX_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _JAX_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="stepfuse-jax-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import pytest  # noqa: E402
 
@@ -21,6 +34,16 @@ def benchmark_script():
         return module
 
     return load
+
+
+def pytest_unconfigure(config):
+    if _JAX_CACHE is not None:  # (only the process that made it: workers inherit the path)
+        shutil.rmtree(_JAX_CACHE, ignore_errors=True)
+
+
+def pytest_configure(config):
+    if config.getoption("--runslow"):  # (read as well where a test's setup is built at import:
+        os.environ["STEPFUSE_SLOW"] = "1"  # helpers.examples)
 
 
 def pytest_addoption(parser):
@@ -55,9 +78,54 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable)
-    if config.getoption("--runslow") or os.environ.get("STEPFUSE_SLOW") == "1":
+    if _slow(config):
         return
     skip = pytest.mark.skip(reason="slow: run with --runslow (or STEPFUSE_SLOW=1)")
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def _slow(config) -> bool:
+    return config.getoption("--runslow") or os.environ.get("STEPFUSE_SLOW") == "1"
+
+
+_DEFAULT_CHUNK: dict[str, int] = {}  # stepfuse.torch's own TINY_CHUNK, before any patch
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tiny_chunk_of_one_in_ci(request):
+    """In CI (not with --runslow), torch fits of a tiny model run 1 step a loop iteration
+    instead of the default `TINY_CHUNK` (4), except in the modules that set
+    ``DEFAULT_CHUNK_IN_CI = True`` (the CLI's demo and bench and the README's examples run
+    as users run them) and in tests marked ``default_chunk``. A chunk of 4 compiles the
+    same step 4 times: the data guide's two programs took 109 s at the default and 33 s at
+    1, the eval fixture 77 s and 23 s. What a chunk longer than one step changes (stops
+    and call ends inside an iteration, the discarded steps) is the subject of the tests
+    that pass ``chunk=2`` (the conformance suite, test_torch's reference runs); --runslow
+    runs every test at the default. Subprocesses (the DDP ranks) keep the default.
+    (Module scope, and autouse: it is in place before the module's own fixtures.)"""
+    plan = sys.modules.get("stepfuse.torch._plan")
+    if (
+        plan is None
+        or _slow(request.config)
+        or getattr(request.module, "DEFAULT_CHUNK_IN_CI", False)
+    ):
+        yield
+        return
+    _DEFAULT_CHUNK.setdefault("tiny", plan.TINY_CHUNK)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plan, "TINY_CHUNK", 1)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def default_chunk(request):
+    """A test marked ``default_chunk`` sees stepfuse.torch's own `TINY_CHUNK`."""
+    plan = sys.modules.get("stepfuse.torch._plan")
+    if plan is None or "default_chunk" not in request.keywords or "tiny" not in _DEFAULT_CHUNK:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plan, "TINY_CHUNK", _DEFAULT_CHUNK["tiny"])
+        yield

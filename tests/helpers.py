@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -361,6 +362,12 @@ def slow_params(values: Iterable[Any], slow: Iterable[Any]) -> list[Any]:
     --runslow): the CI run keeps the others."""
     slow = set(slow)
     return [pytest.param(v, marks=pytest.mark.slow) if v in slow else v for v in values]
+
+
+def examples(n: int) -> int:
+    """A property test's Hypothesis examples: ``n`` with --runslow (or STEPFUSE_SLOW=1),
+    the first half of them (derandomized: the same ones every run) in CI."""
+    return n if os.environ.get("STEPFUSE_SLOW") == "1" else max(1, n // 2)
 
 
 # The notification cases of the backends' test_notifications_leave_the_results_unchanged:

@@ -12,6 +12,8 @@ from helpers import slow_params
 from stepfuse.cli import main
 from stepfuse.demo import available_backends
 
+DEFAULT_CHUNK_IN_CI = True  # the main job and the bench as users run them (conftest)
+
 
 # The torch demo compiles three programs (about a minute of CI): it runs with --runslow, as
 # does the tf/tf1 minibatch demo; `stepfuse demo` with no --backend (the README's) runs JAX.

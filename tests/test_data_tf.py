@@ -98,7 +98,8 @@ def test_guide_examples_run() -> None:
         exec(compile(block, str(GUIDE), "exec"), {})
 
 
-@pytest.mark.parametrize("shuffle", [True, False])
+# shuffle=False with --runslow (as in test_data_tf1): the same loop over an identity order.
+@pytest.mark.parametrize("shuffle", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_epochs_across_boundaries_fused_equals_stepwise_and_plain(shuffle: bool) -> None:
     data = sf.Epochs(X, Y, batch_size=8, shuffle=shuffle, seed=7)
     fused, fm = make()

@@ -87,6 +87,12 @@ class Built:
         return self.sess.run(self.vars)
 
 
+def everything(b: Built) -> list[Any]:
+    """What a checkpoint holds: the fit's state (the model's and Adam's variables) and its
+    step count."""
+    return [*b.fit.state, b.fit.counter]
+
+
 def rows_of(data: sf.Epochs, t: int) -> np.ndarray:
     """Global step ``t``'s rows, written from ``order(epoch)`` (not from ``indices``)."""
     epoch, at = divmod(t, data.steps_per_epoch)
@@ -173,7 +179,8 @@ def test_epochs_n_steps_in_one_run_equal_k_then_the_rest_bitwise() -> None:
 )
 def test_a_saver_checkpoint_restored_in_a_new_graph_continues_exactly(saver: str, tmp_path) -> None:
     """Save at step k with tf1.train.Saver, go on in the same session (the uninterrupted
-    run), restore into a fit built anew in a new graph and session, go on: bitwise equal."""
+    run), restore into a fit built anew in a new graph and session: its state and step count
+    bitwise equal to the saved ones; go on: the same losses, evaluations and parameters."""
     data = sf.Epochs(X, Y, batch_size=4, seed=5)
     k, rest = 7, 6  # both cross epoch boundaries
 
@@ -184,17 +191,23 @@ def test_a_saver_checkpoint_restored_in_a_new_graph_continues_exactly(saver: str
     first.run(k)
     with first.graph.as_default():  # (a Saver saves and restores in graph mode)
         path = make_saver(first).save(first.sess, os.fspath(tmp_path / "fit"))
+    saved = first.sess.run(everything(first))
     uninterrupted = first.run(rest)
     resumed = Built("fused", 8, data, evaluate=True, eval_every=3)
     with resumed.graph.as_default():
         make_saver(resumed).restore(resumed.sess, path)
     assert resumed.sess.run(resumed.fit.counter) == k
-    trace = resumed.run(rest)
-    np.testing.assert_array_equal(trace.loss, uninterrupted.loss)
-    for u, v in zip(resumed.values(), first.values()):
+    for u, v in zip(resumed.sess.run(everything(resumed)), saved):  # the state, bit for bit
         np.testing.assert_array_equal(u, v)
+    trace = resumed.run(rest)
+    # The steps after it run in another graph, whose TF CPU kernels need not round as the
+    # first graph's do: one CI run of the whole suite saw its losses differ by 1.8e-7
+    # (relative 3.6e-7) from the uninterrupted run's, from the first step after the restore,
+    # where every rerun here of this test alone (under load too) was bitwise equal.
+    close(trace.loss, uninterrupted.loss)
+    same(resumed.values(), first.values())
     assert list(trace.eval.step) == list(uninterrupted.eval.step) == [9, 12]
-    np.testing.assert_array_equal(trace.eval["mse"], uninterrupted.eval["mse"])
+    close(trace.eval["mse"], uninterrupted.eval["mse"])
     assert resumed.fit.step == first.fit.step == k + rest
 
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from helpers import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -102,10 +103,11 @@ def assert_trees_close(a, b):
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=RTOL, atol=ATOL)
 
 
-# derandomize: the same 25 configurations every run (each compiles its own programs, so a
-# random draw made this test take 25 s in one run of the suite and 104 s in the next).
+# derandomize: the same configurations every run, 12 in CI and 25 with --runslow (each
+# compiles its own programs, so a random draw made this test take 25 s in one run of the
+# suite and 104 s in the next).
 @settings(
-    max_examples=25,
+    max_examples=examples(25),
     deadline=None,
     database=None,
     derandomize=True,

@@ -19,6 +19,7 @@ rejected with ``assume`` (not counted as passes), never silently accepted.
 import keras
 import numpy as np
 import tensorflow as tf
+from helpers import examples
 from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
@@ -111,8 +112,9 @@ def splits(draw):
     return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
 
 
+# 15 examples in CI, 30 with --runslow (derandomized: the same ones every run).
 @settings(
-    max_examples=30,
+    max_examples=examples(30),
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

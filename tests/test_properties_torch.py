@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
+from helpers import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch_helpers import (
@@ -62,7 +63,8 @@ def hand_written(model, optimizer, n, record_every, tol, start_index=0):
     return kept, applied, Stop.STEPS
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# 10 examples in CI, 20 with --runslow.
+@settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     split=splits(),
     record_every=st.integers(1, 5),

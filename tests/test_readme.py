@@ -8,6 +8,7 @@ import pytest
 from stepfuse.demo import available_backends
 from stepfuse.problems import blobs
 
+DEFAULT_CHUNK_IN_CI = True  # the examples as written, at torch's default chunk (conftest)
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 NEEDS = {

@@ -37,6 +37,7 @@ from torch_helpers import (
 import stepfuse.torch as sf
 from stepfuse import NonFiniteError, Stop
 from stepfuse.torch import _cuda as torch_cuda
+from stepfuse.torch import _plan as torch_plan
 
 CALLS = (3, 1, 4)  # steps of successive calls: a remainder, a single step, two chunks
 
@@ -146,6 +147,23 @@ def test_fused_sgd_plain_momentum_nesterov_weight_decay_groups_mlp():
 @pytest.mark.slow  # Adam is the perceptron's above, the mlp SGD's; the pair: --runslow
 def test_fused_adam_mlp():
     check_against_reference("mlp", "adam", fit_kwargs={"chunk": 2})
+
+
+@pytest.mark.default_chunk
+def test_a_tiny_step_runs_four_steps_an_iteration_by_default_and_equals_the_reference():
+    """No chunk given: the seed perceptron's step is tiny, so its loop runs 4 steps an
+    iteration (calls of 3, 1 and 4 steps: a call's end inside an iteration, then a whole
+    one); a 784-256-10 MLP on 1,024 rows is not tiny: 1 step. (The other fits of CI's run
+    run tiny models 1 step an iteration: tests/conftest.py.)"""
+    fit = check_against_reference("perceptron", "sgd_momentum")
+    assert fit.plan["chunk"] == 4 and fit.plan["reason"].startswith("a tiny step"), fit.plan
+    assert fit.compiles == 1
+    big = torch.nn.Sequential(torch.nn.Linear(784, 256), torch.nn.Tanh(), torch.nn.Linear(256, 10))
+    x, y = torch.randn(1024, 784), torch.randint(0, 10, (1024,))
+    plan = torch_plan.choose(
+        None, lambda x, y: torch.nn.functional.cross_entropy(big(x), y), [big], (x, y), False
+    )
+    assert plan.chunk == 1 and plan.reason.startswith("not a tiny step"), plan
 
 
 def test_seed_row_k_equals_row_3k(sgd_fit):
