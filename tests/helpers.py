@@ -366,7 +366,7 @@ def slow_params(values: Iterable[Any], slow: Iterable[Any]) -> list[Any]:
 
 def examples(n: int) -> int:
     """A property test's Hypothesis examples: ``n`` with --runslow (or STEPFUSE_SLOW=1),
-    the first half of them (derandomized: the same ones every run) in CI."""
+    half as many in CI (where the test is derandomized, the first half of the same ones)."""
     return n if os.environ.get("STEPFUSE_SLOW") == "1" else max(1, n // 2)
 
 

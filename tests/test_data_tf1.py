@@ -87,7 +87,7 @@ class Built:
         return self.sess.run(self.vars)
 
 
-def everything(b: Built) -> list[Any]:
+def checkpointed(b: Built) -> list[Any]:
     """What a checkpoint holds: the fit's state (the model's and Adam's variables) and its
     step count."""
     return [*b.fit.state, b.fit.counter]
@@ -191,13 +191,13 @@ def test_a_saver_checkpoint_restored_in_a_new_graph_continues_exactly(saver: str
     first.run(k)
     with first.graph.as_default():  # (a Saver saves and restores in graph mode)
         path = make_saver(first).save(first.sess, os.fspath(tmp_path / "fit"))
-    saved = first.sess.run(everything(first))
+    saved = first.sess.run(checkpointed(first))
     uninterrupted = first.run(rest)
     resumed = Built("fused", 8, data, evaluate=True, eval_every=3)
     with resumed.graph.as_default():
         make_saver(resumed).restore(resumed.sess, path)
     assert resumed.sess.run(resumed.fit.counter) == k
-    for u, v in zip(resumed.sess.run(everything(resumed)), saved):  # the state, bit for bit
+    for u, v in zip(resumed.sess.run(checkpointed(resumed)), saved):  # the state, bit for bit
         np.testing.assert_array_equal(u, v)
     trace = resumed.run(rest)
     # The steps after it run in another graph, whose TF CPU kernels need not round as the

@@ -161,7 +161,7 @@ def test_a_tiny_step_runs_four_steps_an_iteration_by_default_and_equals_the_refe
     big = torch.nn.Sequential(torch.nn.Linear(784, 256), torch.nn.Tanh(), torch.nn.Linear(256, 10))
     x, y = torch.randn(1024, 784), torch.randint(0, 10, (1024,))
     plan = torch_plan.choose(
-        None, lambda x, y: torch.nn.functional.cross_entropy(big(x), y), [big], (x, y), False
+        None, lambda x, y: torch.nn.functional.cross_entropy(big(x), y), [big], (x, y), rnn=False
     )
     assert plan.chunk == 1 and plan.reason.startswith("not a tiny step"), plan
 
