@@ -204,3 +204,42 @@ def _random_ops(graph_def: Any) -> tuple[str, ...]:
         nodes += function.node_def
     marks = ("Random", "Rng", "Multinomial", "TruncatedNormal", "Shuffle")
     return tuple(sorted({n.op for n in nodes if any(m in n.op for m in marks)}))
+
+
+def _check_known(optimizer: Any, variables: Any) -> None:
+    """A built optimizer knows every variable (Keras applies updates only to the variables
+    it was built for, and says so only at the first update, deep in the loop)."""
+    check = getattr(optimizer, "_check_variables_are_known", None)
+    if check is None:
+        return
+    unknown = []
+    for v in variables:
+        try:
+            check([v])
+        except ValueError:
+            unknown.append(getattr(v, "path", None) or v.name)
+    if unknown:
+        _fail(
+            ValueError,
+            "optimizer",
+            optimizer,
+            "an optimizer not yet built, or built for these variables",
+            f"It was built for other variables, not for {unknown}. Create a new optimizer "
+            "for this model (a Keras optimizer keeps its slots for the variables it was "
+            "built for).",
+        )
+
+
+def _described(arg: Any) -> str:
+    """One batch argument, briefly: ``float32[50, 3]``, or a structure's leaves (a list of
+    numbers named as such: ``fit(x.tolist())`` hands loss_fn a list of scalar tensors)."""
+    if isinstance(arg, (tf.Tensor, tf.Variable)):
+        return f"{arg.dtype.name}{list(arg.shape)}"
+    leaves = tf.nest.flatten(arg)
+    if isinstance(arg, list) and leaves and all(getattr(t, "shape", None) == () for t in leaves):
+        return (
+            f"a list of {len(leaves)} scalars (a list is a structure of separate tensors, "
+            "as tf.function reads it: np.asarray(...) makes it one array)"
+        )
+    text = str(tf.nest.map_structure(lambda b: f"{b.dtype.name}{list(b.shape)}", arg))
+    return text if len(text) <= 200 else text[:200] + " [...]"

@@ -12,10 +12,9 @@ runs the identical semantics with eager ``loss.backward(); optimizer.step()`` th
 naming the reason (`stepfuse.torch._probe`), when the fused path cannot handle a model or
 optimizer.
 
-The modules by job: `_rules` (the optimizers' update rules), `_state` (the optimizer state's
-layout), `_program` (the compiled loop), `_cuda` (CUDA graphs), `_probe` (probing the loss,
-fallback reasons), `_data` (data streams), `_ops` (the step semantics over torch tensors);
-this module holds the `Fit` (setup, fallback policy, the host driver of a call) and `fuse`.
+Modules by job: `_rules` (update rules), `_state` (optimizer state layout), `_program`
+(the compiled loop), `_cuda`, `_probe` (probing, fallback reasons), `_data`, `_ops` (step
+semantics); here: `Fit` (setup, fallback policy, the host driver of a call) and `fuse`.
 """
 
 from __future__ import annotations
