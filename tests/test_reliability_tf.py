@@ -89,8 +89,8 @@ def faulty_setup(fault):
 
 @pytest.mark.parametrize("fault", ["grad_inf_kernel", "grad_huge_adam_overflow"])
 def test_tf2_xla_checks_large_tensors_each(fault):
-    # Under XLA a tensor of 512 values or more is checked on its own, the smaller ones
-    # together (`stepfuse.tf._loop._finite_probe`): a fault only in the 32 x 32 kernel's
+    # Under XLA the checked tensors are grouped by shape, their masks and-ed
+    # (`stepfuse.tf._loop._finite_by_shape`): a fault only in the 32 x 32 kernel's
     # gradient, or only in its Adam second moment, is caught all the same.
     rng = np.random.default_rng(3)
     x = rng.normal(size=(64, 32)).astype("float32")
@@ -117,6 +117,30 @@ def test_tf2_xla_checks_large_tensors_each(fault):
     for a, r in zip(arrays(va + list(oa.variables)), arrays(vb + list(ob.variables))):
         np.testing.assert_allclose(a, r, rtol=RTOL, atol=ATOL)
         assert np.all(np.isfinite(a))
+
+
+def test_tf2_xla_finite_check_by_shape_finds_any_bad_value():
+    # `_finite_by_shape` groups tensors of one shape (and-ed masks), flattens the small
+    # groups into one reduction and reduces each large one alone: a NaN or inf in any one
+    # tensor (shared or lone shape, small or large, float32 or float64) is found.
+    from stepfuse.tf._loop import _all_finite, xla_traced
+
+    shapes = [(), (40, 32), (40, 32), (40, 32), (7,), (7,), (3,), (600,), (5,)]
+    kinds = ["float32"] * 7 + ["float64", "int32"]
+
+    @tf.function(jit_compile=True, autograph=False)
+    def check(*tensors):
+        with xla_traced(True):
+            return _all_finite(list(tensors))
+
+    base = [np.ones(s, k) for s, k in zip(shapes, kinds)]
+    assert bool(check(*base))
+    for j, kind in enumerate(kinds[:-1]):
+        for bad in (np.nan, np.inf, -np.inf):
+            values = [b.copy() for b in base]
+            values[j] = np.full(shapes[j], 1.0, kind)
+            values[j].reshape(-1)[-1] = bad
+            assert not bool(check(*values)), (shapes[j], kind, bad)
 
 
 # Every fault under XLA; on TF's kernels CI runs the NaN loss and Adam's overflow, the

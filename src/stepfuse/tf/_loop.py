@@ -53,11 +53,11 @@ def _finite_probe(tensors: Any) -> tf.Tensor:
     On TensorFlow's kernels it is the sum of ``x * 0`` over the flattened, concatenated
     tensors (``x * 0`` is 0 for a finite ``x``, NaN for inf or NaN; a plain sum could
     overflow): a fixed handful of ops whatever the tensors' number, where
-    ``reduce_all(is_finite(t))`` costs a few per tensor. Under XLA:CPU a concatenation
-    costs ~0.85 ns a value (0.7 ms a step for an MLP 784-256-10 under Adam: 800,000
-    values, as long as its forward and backward pass), so only the tensors of fewer than
-    `_CONCAT_BELOW` values are concatenated there and each larger one gets its own
-    ``reduce_all(is_finite(t))`` (a fifth of that time; docs/internals/tf.md).
+    ``reduce_all(is_finite(t))`` costs a few per tensor. Under XLA:CPU, where an op costs
+    little but a concatenation ~0.85 ns a value, the tensors are grouped by shape (a
+    weight, its gradient and its optimizer moments share one) and each group's
+    ``is_finite`` masks and-ed, one fused pass a group (`_finite_by_shape`;
+    docs/internals/tf.md).
     """
     flat = []
     for t in tensors:
@@ -68,20 +68,30 @@ def _finite_probe(tensors: Any) -> tf.Tensor:
     if not flat:
         return tf.constant(0.0)
     dtype = tf.float64 if any(t.dtype.base_dtype == tf.float64 for t in flat) else tf.float32
-    large: list[Any] = []
     if _XLA.get():
-        large = [t for t in flat if _values(t) >= _CONCAT_BELOW]
-        flat = [t for t in flat if _values(t) < _CONCAT_BELOW]
-    probe = tf.constant(0, dtype)
-    if flat:
-        probe = tf.reduce_sum(tf.concat([tf.reshape(tf.cast(t, dtype), [-1]) for t in flat], 0) * 0)
-    if not large:
-        return probe
-    finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in large]))
-    return tf.where(finite, probe, tf.constant(math.nan, dtype))
+        return tf.where(_finite_by_shape(flat), tf.constant(0, dtype), tf.constant(math.nan, dtype))
+    return tf.reduce_sum(tf.concat([tf.reshape(tf.cast(t, dtype), [-1]) for t in flat], 0) * 0)
 
 
-_CONCAT_BELOW = 512  # see `_finite_probe`
+def _finite_by_shape(flat: list) -> tf.Tensor:
+    """Whether every value of ``flat`` is finite, for XLA: the ``is_finite`` masks of the
+    tensors of one (static) shape and-ed together, which XLA fuses into one pass; the
+    masks of fewer than `_CONCAT_BELOW` values flattened into one reduction, each larger
+    one reduced on its own (a concatenation costs ~0.85 ns a value)."""
+    groups: dict[Any, Any] = {}
+    for k, t in enumerate(flat):
+        shape = t.shape
+        key = tuple(shape.as_list()) if shape.is_fully_defined() else ("unknown", k)
+        mask = tf.math.is_finite(t)
+        groups[key] = mask if key not in groups else tf.logical_and(groups[key], mask)
+    small = [tf.reshape(m, [-1]) for m in groups.values() if _values(m) < _CONCAT_BELOW]
+    oks = [tf.reduce_all(m) for m in groups.values() if _values(m) >= _CONCAT_BELOW]
+    if small:
+        oks.append(tf.reduce_all(small[0] if len(small) == 1 else tf.concat(small, 0)))
+    return oks[0] if len(oks) == 1 else tf.reduce_all(tf.stack(oks))
+
+
+_CONCAT_BELOW = 512  # see `_finite_by_shape`
 
 
 def _values(t: Any) -> int:
