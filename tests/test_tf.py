@@ -390,9 +390,13 @@ def test_nonfinite_proposed_update_is_refused_and_raise_mode(mode):
     assert int(opt.iterations) == 0
 
 
-@pytest.mark.parametrize("jit", [None, True, False], ids=["eager", "xla", "graph"])
+@pytest.mark.parametrize(
+    "jit", [None, True, False, "fit"], ids=["eager", "xla", "graph", "xla-by-shape"]
+)
 def test_finiteness_check_is_exact_for_large_values_mixed_dtypes_and_sparse_gradients(jit):
-    from stepfuse.tf._loop import _all_finite
+    # "fit": compiled as the fit's XLA loop compiles its steps (`xla_traced`: the check by
+    # shape, `_finite_by_shape`); the others: the check of TensorFlow's kernels.
+    from stepfuse.tf._loop import _all_finite, xla_traced
 
     big = tf.constant([3e38, 3e38, -3e38], tf.float32)  # finite, though their sum overflows
     half = tf.constant([6e4, 1.0], tf.float16)
@@ -411,8 +415,12 @@ def test_finiteness_check_is_exact_for_large_values_mixed_dtypes_and_sparse_grad
         ([count], True),
     ]
     for tensors, expected in cases:
-        check = lambda: _all_finite(tensors)  # noqa: E731
-        got = check() if jit is None else tf.function(check, jit_compile=jit)()
+
+        def check(tensors=tensors):
+            with xla_traced(jit == "fit"):
+                return _all_finite(tensors)
+
+        got = check() if jit is None else tf.function(check, jit_compile=bool(jit))()
         assert bool(got) is expected, (tensors, jit)
 
 
