@@ -26,8 +26,12 @@ _INT = tf.int32
 
 
 def _all_finite(tensors: Any) -> tf.Tensor:
-    """Whether every floating-point value in ``tensors`` is finite (see `_finite_probe`)."""
-    return tf.math.is_finite(_finite_probe(tensors))
+    """Whether every floating-point value in ``tensors`` is finite (see `_finite_probe`;
+    under XLA the check by shape itself, without the probe's round trip through a float)."""
+    if not _XLA.get():
+        return tf.math.is_finite(_finite_probe(tensors))
+    flat = _floating(tensors)
+    return _finite_by_shape(flat) if flat else tf.constant(True)
 
 
 # Whether the step being traced is compiled by XLA (set by `_inner_loop` and `xla_traced`):
@@ -59,18 +63,25 @@ def _finite_probe(tensors: Any) -> tf.Tensor:
     ``is_finite`` masks and-ed, one fused pass a group (`_finite_by_shape`;
     docs/internals/tf.md).
     """
-    flat = []
-    for t in tensors:
-        if isinstance(t, tf.IndexedSlices):
-            t = t.values
-        if t is not None and t.dtype.base_dtype.is_floating:
-            flat.append(t)
+    flat = _floating(tensors)
     if not flat:
         return tf.constant(0.0)
     dtype = tf.float64 if any(t.dtype.base_dtype == tf.float64 for t in flat) else tf.float32
     if _XLA.get():
         return tf.where(_finite_by_shape(flat), tf.constant(0, dtype), tf.constant(math.nan, dtype))
     return tf.reduce_sum(tf.concat([tf.reshape(tf.cast(t, dtype), [-1]) for t in flat], 0) * 0)
+
+
+def _floating(tensors: Any) -> list:
+    """The floating-point tensors of ``tensors`` (an ``IndexedSlices``' values; None and
+    integer tensors left out)."""
+    flat = []
+    for t in tensors:
+        if isinstance(t, tf.IndexedSlices):
+            t = t.values
+        if t is not None and t.dtype.base_dtype.is_floating:
+            flat.append(t)
+    return flat
 
 
 def _finite_by_shape(flat: list) -> tf.Tensor:
