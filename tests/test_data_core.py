@@ -16,6 +16,13 @@ def test_root_exports_the_streams():
     assert {"Batches", "Epochs"} <= set(sf.__all__)
 
 
+@pytest.mark.parametrize("backend", ["jax", "tf", "torch"])
+def test_each_backend_package_exports_the_same_streams(backend):
+    module = pytest.importorskip(f"stepfuse.{backend}")
+    assert (module.Batches, module.Epochs) == (sf.Batches, sf.Epochs)
+    assert {"Batches", "Epochs"} <= set(module.__all__)
+
+
 def test_order_is_a_permutation_that_changes_with_epoch_and_seed():
     data = sf.Epochs(np.zeros((1000, 3)), batch_size=10, seed=3)
     orders = [data.order(e) for e in range(4)]

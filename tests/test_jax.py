@@ -222,6 +222,32 @@ def test_compiles_counts_one_program_per_batch_shape_and_mode_is_reported(mode):
     assert (fit.mode, fit.compiles) == (mode, 2)
 
 
+def test_a_weakly_typed_optimizer_state_compiles_one_program_for_every_call():
+    # optax's line searches start their state with weakly typed leaves; a call returns
+    # them strongly typed, which must not make the second call compile again
+    def init(params):
+        return {"count": jnp.asarray(0.0)}  # weakly typed
+
+    def update(grads, state, params=None):
+        return jax.tree_util.tree_map(lambda g: -0.01 * g, grads), {"count": state["count"] + 1}
+
+    fit = sf.fuse(perceptron_loss, optax.GradientTransformation(init, update), steps=5)
+    state = fit.init(perceptron_init())
+    assert not any(getattr(x, "weak_type", False) for x in jax.tree_util.tree_leaves(state))
+    for _ in range(3):
+        state, trace = fit(state, X, Y)
+    assert (fit.compiles, trace.steps, float(state.opt_state["count"])) == (1, 5, 15.0)
+
+
+def test_an_optimizer_that_wants_per_example_gradients_fails_with_a_note_saying_why():
+    fit = sf.fuse(mlp_loss, optax.contrib.dpsgd(0.01, 1.0, 0.1, seed=0), steps=3)
+    state = fit.init(mlp_init((2, 16, 2)))
+    with pytest.raises(ValueError, match="batch dimension") as info:
+        fit(state, X, Y)
+    assert "optax.contrib.dpsgd wants one per example" in "".join(info.value.__notes__)
+    assert int(state.step) == 0
+
+
 def test_fuse_docstring_lists_the_shared_options_among_its_args():
     doc = sf.fuse.__doc__
     assert "{options}" not in doc

@@ -333,6 +333,19 @@ def test_a_learning_rate_replaced_between_calls_is_used(mode, data):
         np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("make", [keras.optimizers.Nadam, keras.optimizers.Adafactor])
+def test_the_optimizer_is_built_under_its_name_as_apply_gradients_builds_it(make):
+    """Nadam and Adafactor make variables of their own in ``build``: their paths carry the
+    optimizer's name, as when ``apply_gradients`` builds it (state keyed by path)."""
+    _, variables, loss_fn = make_problem("perceptron")
+    opt = make(0.01)
+    sf.fuse(loss_fn, opt, variables, steps=2)
+    assert opt.built
+    assert all(v.path.startswith(opt.name + "/") for v in opt.variables), [
+        v.path for v in opt.variables
+    ]
+
+
 @pytest.mark.parametrize("mode", ["fused", "stepwise"])
 def test_tol_stops_early_like_the_stepwise_oracle(mode, data):
     x, y = data

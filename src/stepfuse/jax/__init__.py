@@ -16,8 +16,11 @@ inputs' checks), `_ops` (the shared loop semantics' array functions), `_transfor
 each step's minibatch inside the loop), `_eval` (evaluation inside the loop).
 """
 
+# the data streams, also here: `sf.Batches(...)` with `import stepfuse.<backend> as sf`
+from .._core.data import Batches as Batches
+from .._core.data import Epochs as Epochs
 from ._fit import Fit as Fit
 from ._fuse import fuse as fuse
 from ._state import FitState as FitState
 
-__all__ = ["Fit", "FitState", "fuse"]
+__all__ = ["Batches", "Epochs", "Fit", "FitState", "fuse"]

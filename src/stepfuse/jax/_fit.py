@@ -124,12 +124,14 @@ class Fit:
             )
         check_model_state(model_state)
         params = jax.tree_util.tree_map(jnp.asarray, params)
-        # Strong dtypes: the loop carries the state loss_fn returns, of the same dtypes.
-        model_state = jax.tree_util.tree_map(
-            lambda x: jnp.asarray(x, jnp.result_type(x)), model_state
-        )
         check_lookahead(self.optimizer, params)
-        return FitState(params, self.optimizer.init(params), jnp.zeros((), jnp.int32), model_state)
+        # Strong dtypes: a call returns the states the loop carried, strongly typed; a
+        # weakly typed leaf in the first call's state (optax's line searches start their
+        # `info` so) would make the second call compile the program again.
+        model_state, opt_state = jax.tree_util.tree_map(
+            lambda x: jnp.asarray(x, jnp.result_type(x)), (model_state, self.optimizer.init(params))
+        )
+        return FitState(params, opt_state, jnp.zeros((), jnp.int32), model_state)
 
     def __call__(
         self, state: FitState, *batch: Any, steps: int | None = None, eval_batch: Any = None

@@ -106,7 +106,16 @@ def _apply(
 
     def apply(value: Any, grads: Any, opt_state: Any, params: Any) -> tuple[Any, Any]:
         extra = extra_args(optimizer, loss, value, grads, batch, model_state, opt_state)
-        updates, new_opt = update(optimizer, grads, opt_state, params, extra)
+        try:
+            updates, new_opt = update(optimizer, grads, opt_state, params, extra)
+        except Exception as e:
+            e.add_note(
+                "stepfuse: raised by the optimizer's update, called as a plain loop calls it: "
+                "optimizer.update(grads, opt_state, params, ...) with grads = "
+                "jax.grad(loss_fn) of the whole batch. An optimizer that needs other "
+                "gradients (optax.contrib.dpsgd wants one per example) cannot run in a fit."
+            )
+            raise
         new_params = optax.apply_updates(params, updates)
         new_params = jax.tree_util.tree_map(lambda n, p: n.astype(p.dtype), new_params, params)
         return new_params, new_opt

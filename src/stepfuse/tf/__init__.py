@@ -7,9 +7,12 @@ a ``tf.data`` iterator; `OutOfDataError` when one runs out). TF1 graph mode
 (``sess.run``) lives in `stepfuse.tf.v1`.
 """
 
+# the data streams, also here: `sf.Batches(...)` with `import stepfuse.<backend> as sf`
+from .._core.data import Batches as Batches
+from .._core.data import Epochs as Epochs
 from . import v1 as v1
 from ._data import OutOfDataError as OutOfDataError
 from ._fit import Fit as Fit
 from ._fuse import fuse as fuse
 
-__all__ = ["Fit", "OutOfDataError", "fuse", "v1"]
+__all__ = ["Batches", "Epochs", "Fit", "OutOfDataError", "fuse", "v1"]

@@ -12,6 +12,7 @@ import time
 import warnings
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -127,8 +128,8 @@ class Fit(Stepwise):
         self._strategy = strategy_of(variables, optimizer)
         if self._strategy is not None:
             self._no_xla_under(self._strategy, jit_compile)
-        if not optimizer.built:
-            with self._scope():
+        if not optimizer.built:  # as `apply_gradients` builds it (the variables' paths)
+            with self._scope(), keras.name_scope(optimizer.name, caller=optimizer):
                 optimizer.build(variables)
         else:
             _check_known(optimizer, variables)
