@@ -420,3 +420,32 @@ def test_progress_bar_is_shown(fused_adam, mode, capsys):
     assert "stepfuse.torch" in out and "12/12" in out, out
     if mode == "fused":
         assert fit.compiles == 1
+
+
+def test_deprecation_warnings_as_errors_do_not_stop_fusion():
+    """Under ``-W error::DeprecationWarning`` (a strict test suite) the program still
+    compiles: torch's own deprecation warnings while it compiles (a module inductor
+    imports) are not the user's, and failed the build into a stepwise fallback. A new
+    process, where torch has imported nothing of inductor's yet."""
+    script = textwrap.dedent(
+        """
+        import torch, torch.nn.functional as F
+        import stepfuse.torch as sf
+        from stepfuse.problems import blobs
+
+        xn, yn = blobs()
+        model = torch.nn.Linear(2, 2)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        fit = sf.fuse(lambda x, y: F.cross_entropy(model(x), y), opt, steps=4, chunk=2)
+        trace = fit(torch.from_numpy(xn), torch.from_numpy(yn).long())
+        print(fit.mode, trace.steps, fit.fallback_reason)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-W", "error::DeprecationWarning", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[:2] == ["fused", "4"], proc.stdout + proc.stderr[-3000:]

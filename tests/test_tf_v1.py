@@ -4,6 +4,8 @@ Every graph is built inside ``with tf.Graph().as_default():`` and run with
 ``tf.compat.v1.Session(graph=...)``, so eager execution stays on for the TF2 tests.
 """
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -506,6 +508,34 @@ def test_a_learning_rate_tensor_of_the_global_step_is_named_as_read_once_per_run
             v1.fuse(lambda: tf.reduce_sum(w**2), opt, steps=3, global_step=gs)
         with pytest.raises(TypeError, match="`global_step`"):
             v1.fuse(lambda: tf.reduce_sum(w**2), opt, steps=3, global_step=3)
+
+
+@pytest.mark.parametrize(
+    "case", ["callable after minimize", "adagrad_da after minimize", "stepwise"]
+)
+def test_no_read_once_warning_where_every_step_reads_the_hyper_parameters(case):
+    """An optimizer's own per-step tensors, left on it by the user's earlier ``minimize``
+    (a callable's learning rate, AdagradDA's global step), are made again by each step of
+    the loop; a stepwise run is one step per run: neither reads a value once per run."""
+    with tf.Graph().as_default():
+        gs = tf1.train.get_or_create_global_step()
+        w = tf1.get_variable("w", initializer=tf.ones([2]))
+        loss_fn = lambda: tf.reduce_sum(w**2)  # noqa: E731
+        mode = "fused"
+        if case == "callable after minimize":
+            opt = tf1.train.GradientDescentOptimizer(
+                lambda: tf1.train.exponential_decay(0.5, gs, 1, 0.5)
+            )
+        elif case == "adagrad_da after minimize":
+            opt = tf1.train.AdagradDAOptimizer(0.1, global_step=gs)
+        else:
+            opt = tf1.train.GradientDescentOptimizer(tf1.train.exponential_decay(0.5, gs, 1, 0.5))
+            mode = "stepwise"
+        if mode == "fused":
+            opt.minimize(loss_fn(), global_step=gs)  # the user's own train op, as in the seed
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            v1.fuse(loss_fn, opt, steps=3, global_step=gs, mode=mode)
 
 
 @pytest.mark.parametrize(

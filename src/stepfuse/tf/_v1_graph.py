@@ -111,10 +111,15 @@ def _variable_reads(tensor: Any) -> list:
 def _warn_stale_hyper_parameters(optimizer: Any, state: Any) -> None:
     """Warn where a hyper-parameter of ``optimizer`` is a tensor computed from a variable
     the loop changes (a learning rate decaying with the global step): the loop reads it
-    once per run, where one ``minimize`` per run would read it at every step."""
+    once per run, where one ``minimize`` per run would read it at every step. Called once the
+    loop is built: a tensor the optimizer made itself for a step (its ``_prepare``: the
+    learning rate of a callable, AdagradDA's global step) then belongs to the loop's body,
+    even where an earlier ``minimize`` of the user's left one of its own graph."""
     handles = {v.handle.name for v in state if getattr(v, "handle", None) is not None}
     for name, value in sorted(vars(optimizer).items()):
         if not isinstance(value, tf.Tensor) or value.dtype == tf.resource:
+            continue
+        if value.graph is not tf1.get_default_graph():  # made inside the loop's body
             continue
         if _handles_read(value) & handles:
             warnings.warn(

@@ -217,7 +217,6 @@ def fuse(
     loss0, var_list, state = _prepare(first, optimizer, var_list, shown=loss_fn)
     if global_step is not None and all(v is not global_step for v in state):
         state = state + [global_step]  # a refused update leaves it too; stepwise commits it
-    _warn_stale_hyper_parameters(optimizer, state)
     if mode == "stepwise":
         return _build_stepwise(
             loss_fn,
@@ -429,6 +428,9 @@ def fuse(
             losses = packed[:count]
             buffers = [b[: ints[-1]] for b in fetched]  # (full-size buffers: `run` slices)
         train_op = tf.group(applied, stop, losses, name="train_op")
+    # After the loop is built: the optimizer's own per-step tensors (`_prepare`, run by each
+    # step's apply_gradients) are then those of the loop's body, in a graph of their own.
+    _warn_stale_hyper_parameters(optimizer, state)
     return Fused(
         train_op=train_op,
         losses=losses,

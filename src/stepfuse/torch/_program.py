@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import types
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -493,7 +494,9 @@ def run_program(
             return program(n, i0, base, prev, nslots, params, states, buffers, batch)
         # Through torch.compile (tracing on the first call): recurrent layers made
         # traceable, dropout drawing the plain loop's masks (`stepfuse.torch._draws`).
-        with traceable(rnn), exact_draws():
+        with traceable(rnn), exact_draws(), warnings.catch_warnings():
+            # torch's own (a module inductor imports): a user's -W error must not stop fusion
+            warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\b")
             return program(n, i0, base, prev, nslots, params, states, buffers, batch)
 
 
