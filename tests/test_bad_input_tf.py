@@ -164,6 +164,11 @@ TF2_CASES = [
         )
         for m in ("fused", "stepwise")
     ],
+    (
+        "batch a tf.data.Dataset",
+        lambda w: _call(w, batch=(tf.data.Dataset.from_tensor_slices((X, Y)).batch(10),)),
+        r"`batch`.*tf.data.Dataset.*iter\(dataset\)",
+    ),
     *[
         (f"optimizer {name}", lambda w, o=o: w.fit(optimizer=o), "`optimizer`")
         for name, o in _other_framework_optimizers()

@@ -165,6 +165,12 @@ CASES = [
     ("label out of range", call(X, Y + 5), ValueError, "batch"),
     ("missing y", call(X), TypeError, "batch"),
     ("one argument too many", call(X, Y, Y), TypeError, "batch"),
+    (
+        "a DataLoader",
+        call(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=10)),
+        TypeError,
+        "batch",
+    ),
     # -- per call -------------------------------------------------------------------------
     ("call steps=0", call(X, Y, steps=0), ValueError, "steps"),
     ("call steps=2.5", call(X, Y, steps=2.5), TypeError, "steps"),
@@ -193,6 +199,13 @@ def test_bad_input_names_the_argument_and_changes_nothing(adam_perceptron, build
     assert f"`{name}`" in str(err.value), str(err.value)
     assert "got" in str(err.value) or name == "batch", str(err.value)
     assert_unchanged(model, optimizer, params, state)
+
+
+def test_a_dataloader_passed_as_the_batch_is_told_how_to_stack_its_batches(adam_perceptron):
+    model, optimizer, loss_fn = adam_perceptron
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=10)
+    with pytest.raises(TypeError, match=r"Batches\.from_iterable\(loader, n\)"):
+        sf.fuse(loss_fn, optimizer, steps=2, model=model)(loader)
 
 
 def test_the_table_counts_its_cases():

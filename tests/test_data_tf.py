@@ -184,6 +184,17 @@ def test_iterator_fused_equals_stepwise_and_plain_and_runs_without_xla() -> None
     same_weights(sm, rm)
 
 
+def test_an_iterator_in_stepwise_mode_with_auto_gives_no_xla_warning() -> None:
+    """The warning is for a jit_compile=True the fit cannot keep; "auto" in stepwise mode
+    (XLA for the reference's step until then) asked for nothing."""
+    ds = tf.data.Dataset.from_tensor_slices((X[:40], Y[:40])).batch(8)
+    fit, _ = make(steps=2, mode="stepwise")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fit(iter(ds))
+    assert not fit.jit_compile and "iterator" in fit.plan["reason"]
+
+
 @pytest.mark.parametrize("mode", ["fused", "stepwise"])
 def test_iterator_running_out_mid_call_keeps_the_steps_before(mode: str) -> None:
     ds = tf.data.Dataset.from_tensor_slices((X[:24], Y[:24])).batch(8)  # 3 elements
@@ -198,6 +209,35 @@ def test_iterator_running_out_mid_call_keeps_the_steps_before(mode: str) -> None
     same_weights(m, rm)
     fit(iter(ds), steps=2)  # a fresh iterator runs on
     assert fit.step == 5
+
+
+@pytest.mark.parametrize("mode", ["fused", "stepwise"])
+def test_an_iterator_running_out_never_calls_loss_fn_on_a_made_up_element(mode: str) -> None:
+    """A batch dimension the dataset leaves unknown (a smaller last batch) made the step
+    after the last element run loss_fn on 0 rows, which a loss reading row 0 fails: the
+    call raised that error with the updates before it applied, the optimizer's iterations
+    one ahead and ``fit.step`` behind."""
+
+    def loss_of(model: Any) -> Any:
+        return lambda xb, yb: tf.reduce_mean((model(xb - xb[0])[:, 0] - yb) ** 2)
+
+    ds = tf.data.Dataset.from_tensor_slices((X[:20], Y[:20])).batch(8)  # 8, 8, 4 rows
+    model = _model()
+    opt = keras.optimizers.Adam(1e-2)
+    fit = sft.fuse(loss_of(model), opt, model, steps=5, mode=mode, jit_compile=False)
+    with pytest.raises(sft.OutOfDataError, match="ran out at step 3") as e:
+        fit(iter(ds))
+    assert e.value.trace.steps == fit.step == int(opt.iterations.numpy()) == 3
+    ref_model, ref_opt = _model(), keras.optimizers.Adam(1e-2)
+    ref_loss, losses = loss_of(ref_model), []
+    for xb, yb in ds:
+        with tf.GradientTape() as tape:
+            loss = ref_loss(xb, yb)
+        grads = tape.gradient(loss, ref_model.trainable_variables)
+        ref_opt.apply_gradients(zip(grads, ref_model.trainable_variables))
+        losses.append(float(loss))
+    close(e.value.trace.loss, losses)
+    same_weights(model, ref_model)
 
 
 def test_nonfinite_minibatch_mid_call_then_the_next_call_starts_there() -> None:

@@ -145,6 +145,11 @@ def _flat_batch(batch):
                 f"{list(b.shape)}) as tensor {i}. Pass it dense (tf.sparse.to_dense / .to_tensor()), "
                 "or its component tensors, and rebuild it inside loss_fn."
             )
+        if isinstance(b, tf.data.Dataset):
+            raise TypeError(
+                f"`batch` must hold tensors; got a tf.data.Dataset ({type(b).__name__}) as "
+                f"tensor {i}. Pass iter(dataset): the loop pulls one element a step."
+            )
         try:
             flat.append(tf.convert_to_tensor(b))
         except (TypeError, ValueError) as e:

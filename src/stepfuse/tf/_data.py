@@ -53,7 +53,7 @@ from .._core.data import (
 )
 from ._checks import _flat_batch
 
-__all__ = ["OutOfDataError", "Streams"]
+__all__ = ["OutOfDataError", "Streams", "only_given"]
 
 _TAG = "stepfuse.streams"
 
@@ -215,7 +215,7 @@ class Streams:
                 flat.extend(held.tensors(a, step, n))
                 tables.append((key, held.size))
         if any(not isinstance(s, Slot) for s in slots) and fit.jit_compile:
-            if fit.plan["xla"] is not None:  # given jit_compile=True (not "auto")
+            if fit._jit_given is True:  # not "auto"
                 warnings.warn(
                     "stepfuse.tf: a tf.data iterator cannot be read inside an XLA-compiled loop, "
                     "so the fit runs its loop without XLA from now on (fit.jit_compile is now "
@@ -444,3 +444,36 @@ class Streams:
         order = tf.cond(tf.equal(current, epoch), perm.read_value, refresh)
         with tf.control_dependencies([perm.assign(order), current.assign(epoch)]):
             return tf.gather(order, span)
+
+
+def only_given(given: Any, compute: Any, variables: list) -> tuple[Any, list]:
+    """``compute()`` (a step's ``(loss, grads)``) where an iterator ``given`` the step an
+    element; where it did not, a NaN loss (the step is refused: `OutOfDataError`) and zero
+    gradients, and ``loss_fn`` never runs on the made-up element (one of 0 rows may fail
+    it, mid-call)."""
+    seen: dict[str, Any] = {}  # from the first branch's trace: the loss dtype, the kinds
+
+    def real() -> tuple[Any, list]:
+        loss, grads = compute()
+        seen["dtype"] = loss.dtype
+        seen["kinds"] = [
+            None if g is None else g.indices.dtype if isinstance(g, tf.IndexedSlices) else "dense"
+            for g in grads
+        ]
+        return loss, [g for g in grads if g is not None]
+
+    def missing() -> tuple[Any, list]:
+        zeros: list = []
+        for v, kind in zip(variables, seen["kinds"]):
+            if kind == "dense":
+                zeros.append(tf.zeros_like(v))
+            elif kind is not None:  # an embedding's gradient: no rows
+                shape = tf.concat([[0], tf.shape(v)[1:]], 0)
+                zeros.append(
+                    tf.IndexedSlices(tf.zeros(shape, v.dtype), tf.zeros([0], kind), tf.shape(v))
+                )
+        return tf.constant(float("nan"), seen["dtype"]), zeros
+
+    loss, got = tf.cond(given, real, missing)
+    it = iter(got)
+    return loss, [None if k is None else next(it) for k in seen["kinds"]]

@@ -37,7 +37,7 @@ from ._checks import (
     _random_ops,
     _tf_var,
 )
-from ._data import Streams
+from ._data import Streams, only_given
 from ._distribute import check_split, distributed_step, strategy_of, xla_refused
 from ._eval import Evaluations
 from ._loop import _INT, _all_finite, _inner_loop, _outer_loop
@@ -313,7 +313,14 @@ class Fit(Stepwise):
 
     def _loss_and_grads_of(self, batch, has=()):
         """``loss_fn(*batch)`` and its gradients (``has``: whether an iterator gave the
-        step an element; a NaN loss where it did not)."""
+        step an element; where it did not, loss_fn does not run on the made-up element:
+        a NaN loss refuses the step, `_data.OutOfDataError`)."""
+        if not has:
+            return self._loss_and_grads_on(batch)
+        return only_given(has[0], lambda: self._loss_and_grads_on(batch), self._tf_vars)
+
+    def _loss_and_grads_on(self, batch):
+        """``loss_fn(*batch)`` and its gradients (None where none reaches a variable)."""
         with tf.GradientTape() as tape:
             try:
                 loss = self.loss_fn(*batch)
@@ -355,8 +362,6 @@ class Fit(Stepwise):
                 f"No gradient reaches any of {[v.name for v in self._tf_vars]}: read those "
                 "variables inside loss_fn (not their numpy() values).",
             )
-        if has:  # an iterator ran out: a NaN loss refuses the step (`_data.OutOfDataError`)
-            loss = tf.where(has[0], loss, tf.constant(float("nan"), loss.dtype))
         return loss, grads
 
     def _propose(self, batch):

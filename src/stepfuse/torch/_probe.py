@@ -339,10 +339,16 @@ def probe_loss(
         try:
             signature.bind(*batch)
         except TypeError as e:
+            loader = any(isinstance(b, torch.utils.data.DataLoader) for b in batch)
             raise TypeError(
                 f"`batch` does not fit `loss_fn{signature}`: got {len(batch)} "
                 f"positional arguments ({e}). Call fit(*batch) with the arguments "
                 "of loss_fn (nothing was run or changed)."
+                + (
+                    " For a DataLoader's batches: fit(stepfuse.Batches.from_iterable(loader, n))."
+                    if loader
+                    else ""
+                )
             ) from None
     # The probe's forward must change nothing: BatchNorm's running statistics and the
     # random state (dropout) are put back as they were.
