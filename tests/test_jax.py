@@ -348,6 +348,9 @@ def test_losses_of_other_widths_reach_the_host_whole(dtype):
         assert t1.steps == t2.steps and t1.stop is t2.stop
         assert t1.stop is (Stop.NONFINITE if dtype == "float64" else Stop.STEPS)
         assert t1.loss.dtype == (np.float64 if dtype == "float64" else np.float32)
+        # the same width under jit (the trace then holds the device's array)
+        jitted = jax.jit(lambda s: fused(s, x, t)[1].loss)(fused.init(w0))
+        assert jitted.dtype == t1.loss.dtype
         assert len(t1.loss) == len(t2.loss) and 0 < t1.steps
         np.testing.assert_allclose(t1.loss, t2.loss, rtol=rtol)
         np.testing.assert_allclose(
@@ -847,7 +850,9 @@ def test_differentiable_fit_compiles_once_for_every_steps():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_jit_closing_over_every_input_reraises_callback_errors_and_keeps_low_precision(dtype):
+def test_jit_closing_over_every_input_reraises_callback_errors_and_records_float32(dtype):
+    """A low-precision loss runs under such a jit and its trace is float32, as on the host
+    (docs/semantics.md); it was the loss's own dtype there."""
     seen = []
 
     def cb(step, loss):
@@ -861,7 +866,7 @@ def test_jit_closing_over_every_input_reraises_callback_errors_and_keeps_low_pre
         jax.block_until_ready(jax.jit(lambda: fit(s0, target))())
     quiet = sf.fuse(quadratic, optax.sgd(0.1), steps=10)
     state, trace = jax.jit(lambda: quiet(quiet.init(jnp.array([3.0, -2.0, 1.0], dtype)), target))()
-    assert int(trace.steps) == 10 and trace.loss.dtype == dtype
+    assert int(trace.steps) == 10 and trace.loss.dtype == jnp.float32
 
 
 def test_on_nonfinite_raise_under_jit_warns_that_it_cannot_raise():

@@ -246,7 +246,9 @@ class Fit:
         k = self.opts.record_every
         if traced or np.ndim(buf) != 1:
             ev = None if evals is None else traced_eval_trace(evals)
-            trace = Trace(buf[..., : self.opts.capacity], applied, stop, k, ev)
+            loss = buf[..., : self.opts.capacity]  # float64 kept, any other as float32
+            loss = loss if loss.dtype == jnp.float64 else loss.astype(jnp.float32)
+            trace = Trace(loss, applied, stop, k, ev)
         else:
             ev = None if evals is None else host_eval_trace(evals)
             trace = host_trace(np.asarray(buf), applied, stop, k, ev)
