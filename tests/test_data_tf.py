@@ -184,6 +184,40 @@ def test_iterator_fused_equals_stepwise_and_plain_and_runs_without_xla() -> None
     same_weights(sm, rm)
 
 
+def test_an_iterator_running_out_with_an_embeddings_sparse_gradient() -> None:
+    """The refused step's gradients mirror the real ones' kinds: an embedding's is an
+    ``IndexedSlices`` (`_data.only_given`)."""
+    tokens = RNG.integers(0, 50, (20, 4)).astype("int32")
+    labels = RNG.integers(0, 3, 20).astype("int64")
+    ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def model() -> Any:
+        keras.utils.set_random_seed(0)
+        return keras.Sequential(
+            [
+                keras.Input((4,), dtype="int32"),
+                keras.layers.Embedding(50, 8),
+                keras.layers.GlobalAveragePooling1D(),
+                keras.layers.Dense(3),
+            ]
+        )
+
+    ds = tf.data.Dataset.from_tensor_slices((tokens, labels)).batch(8)  # 8, 8, 4 rows
+    m, opt = model(), keras.optimizers.Adam(1e-2)
+    fit = sft.fuse(lambda x, y: ce(y, m(x)), opt, m, steps=5)
+    with pytest.raises(sft.OutOfDataError, match="ran out at step 3"):
+        fit(iter(ds))
+    assert fit.step == int(opt.iterations.numpy()) == 3
+    ref, ref_opt = model(), keras.optimizers.Adam(1e-2)
+    for xb, yb in ds:
+        with tf.GradientTape() as tape:
+            loss = ce(yb, ref(xb))
+        grads = tape.gradient(loss, ref.trainable_variables)
+        assert isinstance(grads[0], tf.IndexedSlices)
+        ref_opt.apply_gradients(zip(grads, ref.trainable_variables))
+    same_weights(m, ref)
+
+
 def test_an_iterator_in_stepwise_mode_with_auto_gives_no_xla_warning() -> None:
     """The warning is for a jit_compile=True the fit cannot keep; "auto" in stepwise mode
     (XLA for the reference's step until then) asked for nothing."""

@@ -447,10 +447,10 @@ class Streams:
 
 
 def only_given(given: Any, compute: Any, variables: list) -> tuple[Any, list]:
-    """``compute()`` (a step's ``(loss, grads)``) where an iterator ``given`` the step an
-    element; where it did not, a NaN loss (the step is refused: `OutOfDataError`) and zero
-    gradients, and ``loss_fn`` never runs on the made-up element (one of 0 rows may fail
-    it, mid-call)."""
+    """``compute()`` (a step's ``(loss, grads)``) where ``given`` (the iterators gave the
+    step an element); where not, a NaN loss (the step is refused: `OutOfDataError`) and zero
+    gradients of the same kinds, so ``loss_fn`` never runs on the made-up element (one of 0
+    rows may fail it, mid-call)."""
     seen: dict[str, Any] = {}  # from the first branch's trace: the loss dtype, the kinds
 
     def real() -> tuple[Any, list]:
