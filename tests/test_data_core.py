@@ -118,12 +118,39 @@ def test_from_iterable_stacks_the_next_n():
     assert len(single.arrays) == 1 and single.arrays[0].shape == (3, 3)
 
 
+def test_from_iterable_takes_dicts_in_sorted_key_order():
+    items = [{"y": np.full(2, k), "x": np.full((2, 3), -k)} for k in range(5)]
+    b = sf.Batches.from_iterable(items, 3)
+    assert [a.shape for a in b.arrays] == [(3, 2, 3), (3, 2)]  # x, then y
+    assert np.array_equal(b.arrays[1][:, 0], [0, 1, 2]) and b.arrays[0][2, 0, 0] == -2
+
+
+@pytest.mark.parametrize(
+    "items, match",
+    [
+        (
+            [{"x": np.ones(2)}, {"y": np.ones(2)}],
+            r"batch 1 is a dict with keys \['y'\], batch 0 was a dict with keys \['x'\]",
+        ),
+        ([{"x": np.ones(2)}, (np.ones(2),)], r"batch 1 is a tuple of 1, batch 0 was a dict"),
+        ([np.ones(2), {"x": np.ones(2)}], r"batch 1 is a dict .*batch 0 was one array"),
+        ([{0: np.ones(2)}, {0: np.ones(2)}], "string keys"),
+        ([{"x": np.ones(2)}, {"x": np.ones(3)}], r"batch 1, key 'x' has shape \(3,\)"),
+        ([{"x": "a"}, {"x": "b"}], r"iterable \(batch 0, key 'x'\)"),
+    ],
+    ids=["other-keys", "dict-then-tuple", "array-then-dict", "int-keys", "partial", "not-array"],
+)
+def test_from_iterable_refuses_mixed_dict_batches(items, match):
+    with pytest.raises(ValueError, match=match):
+        sf.Batches.from_iterable(items, 2)
+
+
 def test_from_iterable_refuses_short_ragged_and_partial():
     with pytest.raises(ValueError, match="ran out after 2 batches"):
         sf.Batches.from_iterable([np.ones(2), np.ones(2)], 3)
     with pytest.raises(ValueError, match="shape"):
         sf.Batches.from_iterable([np.ones(2), np.ones(3)], 2)  # a last partial batch
-    with pytest.raises(ValueError, match="parts"):
+    with pytest.raises(ValueError, match="batch 1 is a tuple of 1, batch 0 was a tuple of 2"):
         sf.Batches.from_iterable([(np.ones(2), np.ones(2)), (np.ones(2),)], 2)
     with pytest.raises(ValueError, match="`n`"):
         sf.Batches.from_iterable([np.ones(2)], 0)

@@ -278,6 +278,32 @@ def test_batches_from_a_dataloader(guide):
     assert_same(model, ref_m)
 
 
+def test_batches_from_a_dataloader_of_dicts(guide):
+    """A DataLoader over a dataset of dicts: the values reach loss_fn in sorted key order."""
+    fit, model, opt, x, y = (guide[k] for k in ("fit", "model", "opt", "x", "y"))
+    compiles = fit.compiles
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(x)
+
+        def __getitem__(self, i):
+            return {"label": y[i], "features": x[i]}  # sorted: features, label
+
+    def loader():
+        g = torch.Generator().manual_seed(5)
+        return torch.utils.data.DataLoader(Rows(), 16, shuffle=True, drop_last=True, generator=g)
+
+    ref_m, ref_o = replica(model, opt)
+    stacked = sf.Batches.from_iterable(loader(), 6)  # 6, as above: no new compile
+    trace = fit(stacked, steps=6)
+    assert fit.compiles == compiles
+    batches = [(b["features"], b["label"]) for b in loader()][:6]
+    want, *_ = plain(ref_m, ref_o, ce, batches)
+    np.testing.assert_allclose(trace.loss, want, rtol=RTOL, atol=ATOL)
+    assert_same(model, ref_m)
+
+
 # -- bad input: refused before anything runs or changes --------------------------------------
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import numbers
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -259,9 +259,11 @@ class Batches:
     def from_iterable(cls, iterable: Iterable[Any], n: int, *, device: Any = None) -> Batches:
         """The next ``n`` batches of ``iterable`` (e.g. a ``DataLoader``), stacked.
 
-        Each item is an array or a tuple/list of arrays (``(x, y)``), the same structure
-        every time. ``device`` (torch): where the stack goes (``"cuda"``: pinned memory
-        and non-blocking copies); by default, where the items are.
+        Each item is an array, a tuple/list of arrays (``(x, y)``) or a dict of arrays, the
+        same structure every time. A dict's values become the stream's arrays in sorted key
+        order (``{"y": ..., "x": ...}`` reaches ``loss_fn`` as ``(x, y)``), as a ``tf.data``
+        element that is a dict does. ``device`` (torch): where the stack goes (``"cuda"``:
+        pinned memory and non-blocking copies); by default, where the items are.
         """
         if not (isinstance(n, numbers.Integral) and not isinstance(n, bool)) or n < 1:
             fail(
@@ -286,30 +288,22 @@ class Batches:
                 "smaller n, or an iterable that holds more (e.g. itertools.cycle(loader), "
                 "or a new iterator per epoch)."
             )
-        single = not isinstance(items[0], (tuple, list))
-        rows = [(item,) if single else tuple(item) for item in items]
-        width = len(rows[0])
-        for k, row in enumerate(rows):
-            if len(row) != width or (single and isinstance(items[k], (tuple, list))):
-                raise ValueError(
-                    f"`iterable`'s batch {k} has {len(row)} parts, batch 0 had {width}: every "
-                    "batch must have the same structure."
-                )
+        rows, labels = _rows(items)
         columns = []
-        for j in range(width):
+        for j, label in enumerate(labels):
             parts = [row[j] for row in rows]
             for k, p in enumerate(parts):
                 if not _is_array(p):
                     fail(
                         ValueError,
-                        f"iterable (batch {k}, part {j})",
+                        f"iterable (batch {k}, {label})",
                         Described(f"a {type(p).__name__}", p),
                         "an array",
-                        "Yield arrays (or tuples of arrays) from the iterable.",
+                        "Yield arrays (or tuples or dicts of arrays) from the iterable.",
                     )
                 if tuple(p.shape) != tuple(parts[0].shape):
                     raise ValueError(
-                        f"`iterable`'s batch {k}, part {j} has shape {tuple(p.shape)}, batch 0 "
+                        f"`iterable`'s batch {k}, {label} has shape {tuple(p.shape)}, batch 0 "
                         f"had {tuple(parts[0].shape)}: stacked batches must all be full (a "
                         "DataLoader with drop_last=True)."
                     )
@@ -319,6 +313,61 @@ class Batches:
     def __repr__(self) -> str:
         shapes = ", ".join(str(_dims(a)) for a in self.arrays)
         return f"Batches({shapes})"
+
+
+def _structure(item: Any) -> str:
+    if isinstance(item, Mapping):
+        return f"a dict with keys {sorted(map(str, item))}"
+    if isinstance(item, (tuple, list)):
+        return f"a {type(item).__name__} of {len(item)}"
+    return "one array" if _is_array(item) else f"a {type(item).__name__}"
+
+
+def _rows(items: list[Any]) -> tuple[list[tuple[Any, ...]], list[str]]:
+    """Each item's arrays, in order (a dict's values in sorted key order), and their names.
+
+    Every item must have item 0's structure (one array, a tuple/list of the same length,
+    or a dict with the same string keys).
+    """
+    first = items[0]
+    if isinstance(first, Mapping):
+        keys = list(first)
+        if not all(isinstance(key, str) for key in keys):
+            raise ValueError(
+                f"`iterable`'s batch 0 is a dict with keys {keys!r}: a dict batch needs "
+                "string keys (its values reach loss_fn in sorted key order). Yield a tuple "
+                "instead."
+            )
+        keys.sort()
+        labels = [f"key {key!r}" for key in keys]
+
+        def row(item: Any) -> tuple[Any, ...] | None:
+            ok = isinstance(item, Mapping) and set(item) == set(keys)
+            return tuple(item[key] for key in keys) if ok else None
+
+    elif isinstance(first, (tuple, list)):
+        labels = [f"part {j}" for j in range(len(first))]
+
+        def row(item: Any) -> tuple[Any, ...] | None:
+            ok = isinstance(item, (tuple, list)) and len(item) == len(first)
+            return tuple(item) if ok else None
+
+    else:
+        labels = ["part 0"]
+
+        def row(item: Any) -> tuple[Any, ...] | None:
+            return None if isinstance(item, (tuple, list, Mapping)) else (item,)
+
+    rows = []
+    for k, item in enumerate(items):
+        r = row(item)
+        if r is None:
+            raise ValueError(
+                f"`iterable`'s batch {k} is {_structure(item)}, batch 0 was "
+                f"{_structure(first)}: every batch must have the same structure."
+            )
+        rows.append(r)
+    return rows, labels
 
 
 def _to_device(stacked: Any, device: Any) -> Any:
