@@ -178,6 +178,8 @@ def _check_loss(loss: Any, loss_fn: Any) -> Any:
             "a function returning a scalar float tensor",
             f"It returned {loss!r}; return e.g. tf.reduce_mean(...).",
         )
+    if t.shape.rank is None:  # (a tf.numpy_function's output): a scalar when it runs
+        return tf.ensure_shape(t, [])
     if t.shape.rank != 0:
         _fail(
             ValueError,

@@ -267,10 +267,12 @@ class Streams:
         return rows
 
     def variables(self) -> list[tf.Variable]:
-        """The variables a call writes: the position and the epochs' permutations."""
+        """The variables a call writes: the position, where an iterator ran out and the
+        epochs' permutations."""
         if self._pos is None:
             return []
-        return [self._pos, *(v for pair in self._perms.values() for v in pair)]
+        perms = (v for pair in self._perms.values() for v in pair)
+        return [self._pos, self._exhausted, *perms]
 
     def _perm_vars(self, rows: int, seed: int) -> tuple[tf.Variable, tf.Variable]:
         """The permutation of a dataset of ``rows`` rows and its epoch (-1: none yet)."""

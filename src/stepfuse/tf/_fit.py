@@ -34,7 +34,6 @@ from ._checks import (
     _described,
     _fail,
     _learning_rate_of,
-    _random_ops,
     _tf_var,
 )
 from ._data import Streams, only_given
@@ -42,6 +41,7 @@ from ._distribute import check_split, distributed_step, strategy_of, xla_refused
 from ._eval import Evaluations
 from ._loop import _INT, _all_finite, _inner_loop, _outer_loop
 from ._plan import AUTO, choose, given, undecided
+from ._probe import Probe, avoid_xla, hold, probe
 from ._stepwise import Stepwise
 
 try:  # a gradient tape left open around a call must not record it (see `Fit._call`)
@@ -137,8 +137,10 @@ class Fit(Stepwise):
         self._state = self._tf_vars + [_tf_var(v) for v in optimizer.variables]
         # The model's other variables that the forward pass may change: read before it and
         # put back with the rest when a step is refused (see `fuse`).
+        # Until a probe says which the loss writes (`_probe`), those fuse was given.
         ids = {id(v) for v in self._state}
-        self._held = [t for t in map(_tf_var, held) if id(t) not in ids]
+        self._given_held = [t for t in map(_tf_var, held) if id(t) not in ids]
+        self._held: list = []
         # the steps one launch of the (XLA) inner loop runs at most
         self._steps_per_launch = max(opts.steps, _MIN_STEPS_PER_LAUNCH)
         if opts.eval_every is not None:  # see _EVAL_SLOTS
@@ -175,7 +177,8 @@ class Fit(Stepwise):
         # The nesting of the batch the programs were traced for: they take its tensors
         # flat and `_loss_and_grads` packs them back for loss_fn (dicts, tuples ...).
         self._structure = None
-        self._probes: dict[Any, tuple[tf.DType, tuple[str, ...]]] = {}  # see `_probe`
+        self._probes: dict[Any, Probe] = {}  # see `_probe`
+        self._drawn: list = []  # random generators' states the loss advances (see `_probe`)
         self._streams = Streams()  # Batches / Epochs / tf.data arguments (see `_data`)
         # eval_fn's arguments, check and buffers (see `_eval`); their tensors follow the batch's
         self._evals = Evaluations(opts, self._steps_per_launch) if opts.eval_fn else None
@@ -222,7 +225,7 @@ class Fit(Stepwise):
         key = (program, tuple((a.dtype, tuple(a.shape)) for a in args))
         concrete = self._concrete.get(key)
         if concrete is None:
-            self._trace_dtype = self._probe(batch)[0]
+            self._trace_dtype = self._probe(batch).dtype
             concrete = self._concrete[key] = program.get_concrete_function(*args)
         call_flat = getattr(concrete, "_call_flat", None)
         # Not recorded by a tape the caller has open: the call updates variables in place
@@ -233,40 +236,19 @@ class Fit(Stepwise):
                 return concrete(*args)
             return call_flat(list(args), concrete.captured_inputs)
 
-    def _probe(self, batch: Any) -> tuple[tf.DType, tuple[str, ...]]:
-        """``(trace dtype, random ops)`` for this batch: float64 for a float64 loss, else
-        float32; and the types of the random-number ops the loss and its gradients run.
-        Found by tracing the loss alone in a scratch graph (nothing runs), once per batch
-        signature, before the program is traced: inside it the loss is known only within
-        the loop, after its buffers are made."""
+    def _probe(self, batch: Any) -> Probe:
+        """What tracing the loss alone on this batch signature says (`_probe`), once per
+        signature, before a program is traced: the trace's loss dtype, reasons to avoid
+        XLA, and the variables the forward pass writes, which join ``_held`` (random
+        generators' states apart, in ``_drawn``)."""
         key = tuple((b.dtype, tuple(b.shape)) for b in batch)  # (cleared with the structure)
         found = self._probes.get(key)
         if found is None:
-            specs = [tf.TensorSpec(b.shape, b.dtype) for b in batch]
-            concrete = tf.function(
-                lambda *b: self._loss_and_grads(b)[0], autograph=False
-            ).get_concrete_function(*specs)
-            loss = concrete.structured_outputs
-            dtype = tf.float64 if loss.dtype.base_dtype == tf.float64 else tf.float32
-            found = self._probes[key] = (dtype, _random_ops(concrete.graph.as_graph_def()))
+            found = self._probes[key] = probe(self, batch)
+            known = found.written is not None and self._strategy is None
+            if hold(self, found.written if known else self._given_held, found.random_states):
+                self._build()  # programs traced with the old lists
         return found
-
-    def _avoid_xla_for_random_ops(self, batch: Any) -> None:
-        """Run without XLA when the loss draws random numbers (see `_random_ops`)."""
-        ops = self._probe(batch)[1] if self.jit_compile else ()
-        if not ops:
-            return
-        self._without_xla(f"loss_fn draws random numbers ({', '.join(ops)})")
-        warnings.warn(
-            "stepfuse.tf: loss_fn draws random numbers (ops: "
-            f"{', '.join(ops)}; e.g. Dropout), and XLA draws other numbers than "
-            "TensorFlow's own kernels from the same seeds, so an XLA-compiled loop would not "
-            "train as the plain loop (GradientTape + apply_gradients) does. The fit runs its "
-            "loop without XLA (fit.jit_compile is now False; slower). Pass jit_compile=False "
-            "to silence this.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
 
     def _scope(self) -> Any:
         """The strategy's scope (or nothing): where the optimizer builds its variables."""
@@ -292,7 +274,7 @@ class Fit(Stepwise):
 
     def _written_variables(self) -> list:
         """Every variable a call may write: what a trial of the loop (`_plan`) puts back."""
-        return [*self._state, *self._held, *self._streams.variables()]
+        return [*self._state, *self._held, *self._drawn, *self._streams.variables()]
 
     def _adopt(self, plan: dict[str, Any], program: Any, compiles: int) -> None:
         """Keep ``plan`` (`_plan.choose`): the chosen path's programs, with ``program``
@@ -320,7 +302,12 @@ class Fit(Stepwise):
         return only_given(has[0], lambda: self._loss_and_grads_on(batch), self._tf_vars)
 
     def _loss_and_grads_on(self, batch):
-        """``loss_fn(*batch)`` and its gradients (None where none reaches a variable)."""
+        """``loss_fn(*batch)`` and its gradients (None where none reaches a variable); the
+        loss waits for the checks loss_fn runs (``tf.debugging.assert_*``) and the update
+        for the loss, so a failing check stops the loop before its step changes anything,
+        as in the plain loop."""
+        graph = tf.compat.v1.get_default_graph()
+        first = len(graph.get_operations())
         with tf.GradientTape() as tape:
             try:
                 loss = self.loss_fn(*batch)
@@ -348,9 +335,12 @@ class Fit(Stepwise):
                     f"loss_fn(*batch) failed while tracing: {cause} -- Pass the tensors "
                     "loss_fn expects (count, shapes, dtypes), e.g. fit(x, y) for loss_fn(x, y)."
                 ) from e
-        _check_loss(loss, self.loss_fn)
-        loss = tf.convert_to_tensor(loss)
+            loss = _check_loss(loss, self.loss_fn)
         grads = tape.gradient(loss, self._tf_vars)
+        checks = [op for op in graph.get_operations()[first:] if op.type == "Assert"]
+        if checks:  # (the update waits for the loss: `_propose`)
+            with tf.control_dependencies(checks):
+                loss = tf.identity(loss)
         # As the plain loop's apply_gradients: a variable no gradient reaches (a model's
         # unused head) is left alone, with Keras's warning naming it; none reached is an error.
         if all(g is None for g in grads):
@@ -372,7 +362,8 @@ class Fit(Stepwise):
             return distributed_step(self, batch)
         loss, grads = self._loss_and_grads(batch)
         snapshot = [v.read_value() for v in self._state]
-        self.optimizer.apply_gradients(zip(grads, self.variables))
+        with tf.control_dependencies([loss]):  # after the checks loss_fn runs
+            self.optimizer.apply_gradients(zip(grads, self.variables))
         new = [v.read_value() for v in self._state]
         return loss, snapshot, new, _all_finite([loss, *grads, *new])
 
@@ -502,7 +493,9 @@ class Fit(Stepwise):
             # programs read: trace them again (assigning a float writes into the variable).
             self._learning_rate = _learning_rate_of(self.optimizer)
             self._build()
-        self._avoid_xla_for_random_ops(batch)
+        found = self._probe(batch)
+        if self.jit_compile:
+            avoid_xla(self, found)
         if self.opts.mode == "stepwise":
             return self._call_stepwise(batch, n, start, tail)
         if undecided(self):

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._core import Described, fail
 from ._rules import HANDLED, IGNORED_GROUP_KEYS, SUPPORTED_OPTIMIZERS, Rule, refusal
-from ._state import put_back
+from ._state import Held, put_back
 
 __all__ = [
     "BatchError",
@@ -259,11 +259,16 @@ def hooks_reason(
     return None
 
 
-def hold_buffers(modules: Sequence[nn.Module]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def hold_buffers(modules: Sequence[nn.Module]) -> Held:
     """``(buffer, copy)`` for the modules' buffers (BatchNorm statistics ...), which a
-    forward pass changes: the probe and a refused step put them back."""
+    forward pass changes: the probe and a refused step put them back (`Held`)."""
     buffers = {id(b): b for m in modules for b in m.buffers()}
-    return [(b, b.detach().clone()) for b in buffers.values()]
+    held = Held((b, b.detach().clone()) for b in buffers.values())
+    subs = {id(sub): sub for m in modules for sub in m.modules()}.values()
+    for sub in subs:
+        plain = {k: v for k, v in vars(sub).items() if type(v) in (int, float, bool)}
+        held.modules.append((sub, dict(sub._buffers), plain))
+    return held
 
 
 def rng_states(cuda: Sequence[int]) -> list[torch.Tensor]:

@@ -11,11 +11,10 @@ on the same program: compile time does not grow with ``steps``.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import types
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -26,6 +25,7 @@ from torch.utils import _pytree
 from .._core import Flow, ceil_div, loop
 from ._draws import exact_draws
 from ._ops import TORCH
+from ._tracing import traceable
 
 __all__ = [
     "Body",
@@ -538,43 +538,6 @@ def clip_grads(
     if clip_value is not None:
         torch.nn.utils.clip_grad_value_(held, clip_value, foreach=False)
     return grads
-
-
-def _rnn_flat_weights(self: nn.RNNBase) -> list[torch.Tensor | None]:
-    return [getattr(self, n, None) for n in self._flat_weights_names]
-
-
-@contextlib.contextmanager
-def traceable(rnn: bool) -> Iterator[None]:
-    """Tracing and running the fused program with recurrent layers (``nn.RNN``, ``LSTM``,
-    ``GRU``) made traceable, as torch runs them eagerly on CPU (without ``rnn``: nothing).
-
-    Their forward caches the current weights on the module (``_flat_weights``, refreshed
-    when `functional_call` swaps them), a mutation dynamo refuses inside ``while_loop``:
-    here the list is read from the module's parameters at each forward instead, which is
-    what the cache holds. Dynamo traces RNNs only with ``allow_rnn``; torch's LSTM
-    decomposition picks oneDNN's kernel when its input needs no gradient, whose backward
-    cannot be traced under ``torch.func.grad``, so oneDNN is off here: the decomposition's
-    composite cell is what eager CPU training runs."""
-    if not rnn:
-        yield
-        return
-    base = nn.RNNBase
-    saved = {k: base.__dict__[k] for k in ("_update_flat_weights", "__setattr__")}
-    patch = {
-        "_flat_weights": property(_rnn_flat_weights, lambda self, value: None),
-        "_update_flat_weights": lambda self: None,
-        "__setattr__": nn.Module.__setattr__,
-    }
-    for k, v in patch.items():
-        setattr(base, k, v)
-    try:
-        with torch._dynamo.config.patch(allow_rnn=True), torch.backends.mkldnn.flags(enabled=False):
-            yield
-    finally:
-        delattr(base, "_flat_weights")
-        for k, v in saved.items():
-            setattr(base, k, v)
 
 
 def batch_key(batch: Sequence[Any], slots: tuple = ()) -> tuple:

@@ -20,6 +20,7 @@ from ._rules import held as _held
 from ._rules import placeholder as _placeholder
 
 __all__ = [
+    "Held",
     "StateLayout",
     "all_finite",
     "host_loss",
@@ -68,8 +69,27 @@ def restore(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], snap: Sn
                 cur[k] = v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
 
 
+class Held(list):
+    """``(buffer, copy)`` pairs (`stepfuse.torch._probe.hold_buffers`), and per module its
+    buffer objects and its attributes that are Python numbers: a forward pass that
+    assigns a new tensor to a buffer (``self.ema = 0.9 * self.ema + ...``) or counts in a
+    Python attribute (``self.calls += 1``) is undone by `put_back` too."""
+
+    def __init__(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]] = ()):
+        super().__init__(pairs)
+        self.modules: list[tuple[Any, dict, dict]] = []
+
+
 def put_back(held: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy each ``(tensor, saved)`` pair's saved value back into the tensor."""
+    """Copy each ``(tensor, saved)`` pair's saved value back into the tensor (and with a
+    `Held`, each module's buffer objects and number attributes as they were)."""
+    for module, buffers, plain in getattr(held, "modules", ()):
+        for name, b in buffers.items():
+            if module._buffers.get(name) is not b:
+                module._buffers[name] = b
+        for name, v in plain.items():
+            if module.__dict__.get(name, v) is not v:
+                module.__dict__[name] = v
     with torch.no_grad():
         for b, v in held:
             b.copy_(v)
