@@ -7,9 +7,10 @@ cases on one compiled fused fit, which keeps working (and is not recompiled) aft
 A batch that does not fit ``loss_fn`` surfaces torch's own error as the ``__cause__``
 of a `stepfuse.torch.BatchError` (a ValueError, and still a RuntimeError) naming `batch`.
 
-Not refused by name: labels out of range in a batch whose shapes/dtypes were already
-seen by the fit (the batch is checked eagerly once per signature, not per call); the
-compiled program's bounds check raises torch's RuntimeError and nothing changes.
+Labels out of range in a batch whose shapes/dtypes were already seen by the fit (the
+batch is checked eagerly once per signature, not per call) are found by the compiled
+program's bounds check: a `BatchError` too, with torch's error as its cause, and nothing
+changes.
 """
 
 from __future__ import annotations
@@ -287,8 +288,8 @@ FUSED_CALLS = [
     ("y shorter than x", {}, (X, Y[:49]), ValueError, "batch"),
     # Same shapes and dtypes as an already checked batch: the values are not checked again
     # (that would cost an eager step per call), so the compiled program's own bounds check
-    # reports it -- a RuntimeError from torch, raised before any update is kept.
-    ("label out of range, known signature", {}, (X, Y + 5), RuntimeError, "out of bounds"),
+    # finds it, raised before any update is kept, as a BatchError naming the batch.
+    ("label out of range, known signature", {}, (X, Y + 5), sf.BatchError, "batch"),
 ]
 
 

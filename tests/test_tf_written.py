@@ -6,9 +6,9 @@ BatchNorm statistics, a custom layer's non-trainable weights and a metric update
 them, a refused step puts them back, and a dropout layer's seed state stays advanced after a
 refused step, as in the plain loop that ran the forward pass and skipped the update. Also:
 variables a partly built model creates in ``loss_fn`` are an error, a failing
-``tf.debugging`` check stops the loop before its step changes anything (and keeps the loop
-off XLA, which drops the check), strings keep it off XLA, and a loss of unknown static
-shape (a ``tf.numpy_function``) runs.
+``tf.debugging`` check stops the loop before its step changes anything, with ``fit.step``
+counting the steps applied before it (and keeps the loop off XLA, which drops the check),
+strings keep it off XLA, and a loss of unknown static shape (a ``tf.numpy_function``) runs.
 """
 
 import keras
@@ -172,12 +172,15 @@ def test_a_failing_check_stops_the_loop_before_its_step_changes_anything(jit_com
         return _ce(y, model(x))
 
     fit = sf.fuse(loss_fn, opt, model, steps=STEPS, jit_compile=jit_compile)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="third step"):
+    with pytest.raises(tf.errors.InvalidArgumentError, match="third step") as err:
         fit(X, Y)
     assert fit.jit_compile is False
     if jit_compile == "auto":
         assert "Assert" in fit.plan["reason"], fit.plan
-    assert int(opt.iterations) == 2
+    assert int(opt.iterations) == fit.step == 2  # the state and the count agree
+    assert "applied 2 step(s) before the one that failed" in "".join(err.value.__notes__)
+    count.assign(-10)  # the next call goes on from there
+    assert fit(X, Y).steps == STEPS and fit.step == int(opt.iterations) == 2 + STEPS
 
 
 def test_a_loss_of_unknown_static_shape_runs():
@@ -210,3 +213,17 @@ def test_strings_keep_the_loop_off_xla():
     trace = fit(text, y)
     assert fit.jit_compile is False and "tf.string" in fit.plan["reason"], fit.plan
     assert trace.steps == 3 and trace.loss[-1] < trace.loss[0]
+
+
+def test_a_python_int_where_loss_fn_wants_a_float_names_the_fix():
+    w = tf.Variable([[0.5], [0.5], [0.5], [0.5]])
+    fit = sf.fuse(
+        lambda x, beta: tf.reduce_mean((x @ w) ** 2) * (1.0 + beta * tf.ones([])),
+        keras.optimizers.SGD(0.01),
+        [w],
+        steps=2,
+    )
+    with pytest.raises((TypeError, ValueError), match=r"int32 tensor: pass 0\.0"):
+        fit(X, 0)
+    assert fit.step == 0 and np.all(w.numpy() == 0.5)
+    assert fit(X, 0.0).steps == 2

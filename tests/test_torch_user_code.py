@@ -90,3 +90,23 @@ def test_forward_state_and_autograd_are_left_as_the_plain_loop_leaves_them(net):
     else:  # a plain step still runs in this process
         assert fit.mode == "stepwise" and "could not be built" in caught[0]
         assert plain(model, 1)
+
+
+@pytest.mark.parametrize(
+    "text, hint",
+    [
+        ("Unsafe side effect: Attempted to mutate ConstDictVariable()", "in place"),
+        ("body_fn might be modifying the input!", "max_norm"),
+        ("Attempted to wrap sparse Tensor", "sparse=False"),
+        ("some other failure", None),
+    ],
+)
+def test_a_build_failure_says_what_to_change_where_dynamo_names_the_cause(text, hint):
+    from stepfuse.torch._failure import build_failure
+
+    reason = build_failure(RuntimeError(text))
+    assert text in reason and reason.endswith("(pass mode='stepwise' to silence this warning)")
+    if hint is None:
+        assert "What to change" not in reason
+    else:
+        assert "What to change" in reason and hint in reason

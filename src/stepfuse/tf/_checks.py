@@ -250,3 +250,23 @@ def _described(arg: Any) -> str:
         )
     text = str(tf.nest.map_structure(lambda b: f"{b.dtype.name}{list(b.shape)}", arg))
     return text if len(text) <= 200 else text[:200] + " [...]"
+
+
+def _batch_mismatch(error: Exception, batch: Any) -> Exception:
+    """The error for a batch that ``loss_fn`` could not be traced on (``error``, a
+    TypeError or ValueError, is its cause): the arguments' dtypes and shapes, the cause, and
+    the fix."""
+    shapes = ", ".join(_described(b) for b in batch)
+    cause = str(error).strip()
+    if len(cause) > 600:
+        cause = cause[:600] + " [...]"
+    ints = any(
+        getattr(t, "dtype", None) == tf.int32 and t.shape.rank == 0 for t in tf.nest.flatten(batch)
+    )
+    exc = TypeError if isinstance(error, TypeError) else ValueError
+    return exc(
+        f"`batch` must fit loss_fn; got {len(batch)} argument(s) [{shapes}] and "
+        f"loss_fn(*batch) failed while tracing: {cause} -- Pass the tensors "
+        "loss_fn expects (count, shapes, dtypes), e.g. fit(x, y) for loss_fn(x, y)."
+        + (" A Python int becomes an int32 tensor: pass 0.0 for a float." if ints else "")
+    )

@@ -29,9 +29,9 @@ from .._core import (
 )
 from ._checks import (
     _ArgumentError,
+    _batch_mismatch,
     _check_known,
     _check_loss,
-    _described,
     _fail,
     _learning_rate_of,
     _tf_var,
@@ -152,6 +152,10 @@ class Fit(Stepwise):
         # (step, loss) in this variable and a thread reads it (see `Notifier.watch`).
         # That costs a fraction of a notification through tf.numpy_function, which a callback
         # needs (it may raise, and the loop must stop there); docs/internals/tf.md.
+        # The optimizer's iterations when a call of TensorFlow's kernels starts: where an op
+        # fails mid-call, the steps applied are the iterations since (refused ones undone).
+        self._iterations = _tf_var(optimizer.iterations)
+        self._iterations_before = tf.Variable(self._iterations.read_value(), trainable=False)
         self._published = (
             tf.Variable([math.nan, math.nan], dtype=tf.float64, trainable=False)
             if opts.progress and opts.callback is None
@@ -325,16 +329,7 @@ class Fit(Stepwise):
             except (TypeError, ValueError) as e:
                 if isinstance(e, _ArgumentError):
                     raise
-                shapes = ", ".join(_described(b) for b in batch)
-                cause = str(e).strip()
-                if len(cause) > 600:
-                    cause = cause[:600] + " [...]"
-                exc = TypeError if isinstance(e, TypeError) else ValueError
-                raise exc(
-                    f"`batch` must fit loss_fn; got {len(batch)} argument(s) [{shapes}] and "
-                    f"loss_fn(*batch) failed while tracing: {cause} -- Pass the tensors "
-                    "loss_fn expects (count, shapes, dtypes), e.g. fit(x, y) for loss_fn(x, y)."
-                ) from e
+                raise _batch_mismatch(e, batch) from e
             loss = _check_loss(loss, self.loss_fn)
         grads = tape.gradient(loss, self._tf_vars)
         checks = [op for op in graph.get_operations()[first:] if op.type == "Assert"]
@@ -392,6 +387,7 @@ class Fit(Stepwise):
         streams, structure = self._streams, self._structure
         carry = streams.carry_in(structure, batch)  # shuffled Epochs: the order, as a loop variable
         segments = None if self._evals is None else self._evals.segments(tail, i0)
+        xla = self.jit_compile if xla is None else xla
 
         def step(carried=None):
             held = [v.read_value() for v in self._held]
@@ -406,7 +402,7 @@ class Fit(Stepwise):
             prev,
             self.opts,
             self._cap,
-            xla=self.jit_compile if xla is None else xla,
+            xla=xla,
             dtype=self._trace_dtype,
             carry=carry,
             segments=segments,
@@ -421,6 +417,8 @@ class Fit(Stepwise):
 
     def _whole_py(self, n, *args, xla=None):
         self.compiles += 1
+        if not (self.jit_compile if xla is None else xla):
+            self._iterations_before.assign(self._iterations.read_value())
         buf, count, _, applied, stop, _, *evaluated = self._inner_py(
             n, tf.constant(0, _INT), tf.constant(math.nan, tf.float64), *args, xla=xla
         )
@@ -428,6 +426,8 @@ class Fit(Stepwise):
 
     def _outer_py(self, n, step0, speed, *args):
         self.compiles += 1
+        if not self.jit_compile:
+            self._iterations_before.assign(self._iterations.read_value())
         return _outer_loop(
             lambda m, i0, prev: self._inner(m, i0, prev, *args),
             n,
@@ -510,12 +510,19 @@ class Fit(Stepwise):
                 notifier.watch(self._published.numpy)
             try:
                 losses, applied, stop, last, evals = self._run(n, start, batch, tail)
-            except tf.errors.OpError:
+            except tf.errors.OpError as e:
                 err = self._callback_error
                 if err is not None:  # the user's callback raised: hand it back as is
                     if self._notified_step is not None:
                         self.step = self._notified_step
                     raise err from None
+                if not self.jit_compile:  # an op failed mid-call (a check, a label)
+                    applied = self._iterations.numpy() - self._iterations_before.numpy()
+                    self.step = start + int(applied)
+                    e.add_note(
+                        f"stepfuse.tf: the call applied {self.step - start} step(s) before "
+                        f"the one that failed, which changed nothing; fit.step is {self.step}."
+                    )
                 raise
             finally:
                 self._notifier = None

@@ -49,12 +49,12 @@ from .._core import (
 from .._core.options import shared_doc
 from . import _cuda, _data, _eager, _eval, _plan, _program, _ranks
 from ._draws import draws_verified
+from ._failure import build_failure
 from ._probe import (
     BatchError,
     Resolved,
     Trainable,
     batch_signature,
-    build_failure,
     check_arguments,
     check_clip,
     check_params_unchanged,

@@ -14,7 +14,6 @@ import inspect
 import math
 import numbers
 import subprocess
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -32,12 +31,10 @@ __all__ = [
     "Probed",
     "Resolved",
     "Trainable",
-    "build_failure",
     "check_clip",
     "check_arguments",
     "check_params_unchanged",
     "cuda_devices",
-    "error_text",
     "find_modules",
     "hold_buffers",
     "hooks_reason",
@@ -191,37 +188,6 @@ def interrupt_inside(error: BaseException | None) -> BaseException | None:
             return error
         error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
     return None
-
-
-def build_failure(error: Exception) -> str:
-    """The fallback reason for a fused program that could not be built: the whole error,
-    its chain of causes included (torch wraps inductor's in dynamo's), never just its
-    first line, so a failure that is not the model's (a full disk, a compiler killed by
-    the OS) can be told from one that is."""
-    return (
-        f"the fused program could not be built: {error_text(error)}\n"
-        "(pass mode='stepwise' to silence this warning)"
-    )
-
-
-def error_text(error: BaseException) -> str:
-    """An error's whole text with its chain of causes: ``__cause__`` and also a context
-    torch re-raised ``from None`` (dynamo's "RuntimeError when making fake tensor call"
-    keeps torch's own error, the real cause, only there)."""
-    text = "".join(traceback.format_exception_only(type(error), error)).strip()
-    seen = {id(error)}
-    cause = _cause_of(error)
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        inner = "".join(traceback.format_exception_only(type(cause), cause)).strip()
-        if inner not in text:
-            text += f"\n  caused by {inner}"
-        cause = _cause_of(cause)
-    return text
-
-
-def _cause_of(error: BaseException) -> BaseException | None:
-    return getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
 
 
 def hooks_reason(

@@ -1,0 +1,65 @@
+"""Why a fused program could not be built, in full, with what to change where dynamo's
+words say what the model does (`build_failure`)."""
+
+from __future__ import annotations
+
+import traceback
+
+__all__ = ["build_failure", "error_text"]
+
+
+def build_failure(error: Exception) -> str:
+    """The fallback reason for a fused program that could not be built: the whole error,
+    its chain of causes included (torch wraps inductor's in dynamo's), never just its
+    first line, so a failure that is not the model's (a full disk, a compiler killed by
+    the OS) can be told from one that is."""
+    text = error_text(error)
+    hints = [hint for marks, hint in _BUILD_HINTS if any(m in text for m in marks)]
+    return (
+        f"the fused program could not be built: {text}\n"
+        + "".join(f"What to change: {hint}\n" for hint in hints)
+        + "(pass mode='stepwise' to silence this warning)"
+    )
+
+
+# Dynamo's words for what a user's model does, and what to do about it (`build_failure`).
+_BUILD_HINTS = (
+    (
+        ("Attempted to mutate", "Unsafe side effect"),
+        "forward assigns to a module attribute or buffer from Python (`self.count += 1` on "
+        "a buffer rebinds it; spectral_norm's power iteration does the same). Update "
+        "buffers in place (`self.count.add_(1)`, `self.ema.mul_(0.9).add_(...)`), as "
+        "BatchNorm does; those run fused.",
+    ),
+    (
+        ("might be modifying the input",),
+        "an op writes into a parameter in place during forward (e.g. nn.Embedding with "
+        "max_norm renormalises its weight). Drop the in-place write (clip in the loss, or "
+        "use a parametrization) to fuse.",
+    ),
+    (
+        ("Attempted to wrap sparse Tensor",),
+        "the model makes sparse gradients (nn.Embedding(sparse=True)), which the fused "
+        "program cannot take. Use sparse=False to fuse.",
+    ),
+)
+
+
+def error_text(error: BaseException) -> str:
+    """An error's whole text with its chain of causes: ``__cause__`` and also a context
+    torch re-raised ``from None`` (dynamo's "RuntimeError when making fake tensor call"
+    keeps torch's own error, the real cause, only there)."""
+    text = "".join(traceback.format_exception_only(type(error), error)).strip()
+    seen = {id(error)}
+    cause = _cause_of(error)
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        inner = "".join(traceback.format_exception_only(type(cause), cause)).strip()
+        if inner not in text:
+            text += f"\n  caused by {inner}"
+        cause = _cause_of(cause)
+    return text
+
+
+def _cause_of(error: BaseException) -> BaseException | None:
+    return getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
