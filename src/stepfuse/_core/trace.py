@@ -46,7 +46,9 @@ _MESSAGES = {
     Stop.NONFINITE: (
         "Stopped before applying a non-finite update (NaN/inf in the loss, a gradient, "
         "the parameters or the optimizer state); the state is that of the last finite step. "
-        "Lower the learning rate, clip gradients, or check the data for NaN/inf."
+        "Lower the learning rate, clip gradients, or check the data for NaN/inf (and for "
+        "labels or ids out of range, which XLA does not raise on: a loss reading them may "
+        "be NaN)."
     ),
 }
 

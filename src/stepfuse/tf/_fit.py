@@ -40,7 +40,7 @@ from ._data import Streams, only_given
 from ._distribute import check_split, distributed_step, strategy_of, xla_refused
 from ._eval import Evaluations
 from ._loop import _INT, _all_finite, _inner_loop, _outer_loop
-from ._plan import AUTO, choose, given, undecided
+from ._plan import AUTO, choose, given, undecided, xla_cause
 from ._probe import Probe, avoid_xla, hold, probe
 from ._stepwise import Stepwise
 
@@ -582,7 +582,7 @@ class Fit(Stepwise):
                     s in msg for s in ("XLA", "xla", "compil", "Compil")
                 ):
                     raise
-                cause = msg.splitlines()[0][:300]
+                cause = xla_cause(e)
                 if self._jit_given is True:  # ("auto": fit.plan says it)
                     warnings.warn(
                         f"stepfuse.tf: {what} could not be XLA-compiled, so it runs without XLA "

@@ -37,7 +37,7 @@ import tensorflow as tf
 from .._core import deferred_interrupts
 from ._checks import _fail
 
-__all__ = ["AUTO", "check_jit_compile", "given", "undecided", "choose"]
+__all__ = ["AUTO", "check_jit_compile", "choose", "given", "undecided", "xla_cause"]
 
 AUTO = "auto"
 
@@ -90,6 +90,18 @@ def _is_xla_error(e: BaseException) -> bool:
     )
 
 
+def xla_cause(e: BaseException) -> str:
+    """The line of XLA's error that names what it could not compile (its first line is
+    often only "Graph execution error:")."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    marks = ("unsupported operations", "No registered", "not supported", "XLA", "xla")
+    for mark in marks:
+        for ln in lines:
+            if mark in ln:
+                return ln[:300]
+    return lines[0][:300] if lines else type(e).__name__
+
+
 def _slope(t1: float, tm: float, m: int) -> float:
     """Seconds a step from calls of 1 and of ``m`` steps (the call's own cost aside)."""
     return t1 if m == 1 else max(tm - t1, 0.0) / (m - 1)
@@ -105,10 +117,9 @@ def timed(run: Any, steps: int, limit: int) -> dict[str, Any]:
     except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as e:
         if not _is_xla_error(e):
             raise
-        first = str(e).splitlines()[0][:300]
         return {
             "xla": False,
-            "reason": f"jit_compile='auto': XLA cannot compile the loop ({first})",
+            "reason": f"jit_compile='auto': XLA cannot compile the loop ({xla_cause(e)})",
         }
     one: dict[bool, float] = {True: min(run(True, 1), run(True, 1))}  # the best call of 1 step
     # m: the fit's `steps`, or as many as a call of about _TRIAL_SECONDS runs

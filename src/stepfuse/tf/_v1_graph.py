@@ -9,8 +9,10 @@ from typing import Any
 
 import tensorflow as tf
 
+from .._core import Described
 from ._checks import _check_loss, _fail
 from ._loop import _all_finite
+from ._probe import _acd
 
 tf1 = tf.compat.v1
 
@@ -183,8 +185,17 @@ def _prepare(loss_fn, optimizer, var_list, shown=None):
     _check_graph_mode()
     _check_loss_fn(loss_fn)
     _check_optimizer(optimizer)
-    # (creates the variables: tf1.get_variable, layers)
+    # (creates the variables: tf1.get_variable, layers). What it adds to the LOSSES and
+    # UPDATE_OPS collections is taken out again: each later call (the loop's, the stepwise
+    # step's) adds its own, and ``tf1.losses.get_total_loss()`` or an UPDATE_OPS dependency
+    # in loss_fn must find that call's alone, as in the plain loop's single call.
+    graph = tf1.get_default_graph()
+    kept = {k: list(graph.get_collection(k)) for k in _PER_CALL_COLLECTIONS}
+    first = len(graph.get_operations())
     loss0 = _check_loss(loss_fn(), loss_fn if shown is None else shown)
+    for key, before in kept.items():
+        graph.get_collection_ref(key)[:] = before
+    writes = _written(graph.get_operations()[first:])
     given = var_list
     if var_list is None:
         # As optimizer.minimize(loss): the trainable variables the loss reads (another
@@ -219,7 +230,64 @@ def _prepare(loss_fn, optimizer, var_list, shown=None):
             create(var_list)
     ids = {id(v) for v in var_list}
     state = list(var_list) + [v for v in optimizer.variables() if id(v) not in ids]
-    return loss0, var_list, state
+    ids = {id(v) for v in state}
+    return loss0, var_list, state, [v for v in writes if id(v) not in ids]
+
+
+def _written(ops: Any) -> list:
+    """The variables ``ops`` write (a forward pass's moving statistics, counters), from
+    the resources each op writes; what a ``jit_compile="auto"`` trial run must undo."""
+    if _acd is None:  # pragma: no cover - other TF versions
+        return []
+    variables = tf1.global_variables() + tf1.local_variables()
+    by_handle = {v.handle.name: v for v in variables if getattr(v, "handle", None) is not None}
+    found: dict[int, Any] = {}
+    for op in ops:
+        try:
+            _, writes = _acd.get_read_write_resource_inputs(op)
+        except Exception:  # noqa: BLE001 - an op TensorFlow cannot describe
+            continue
+        for t in writes:
+            v = by_handle.get(t.name)
+            if v is not None:
+                found[id(v)] = v
+    return list(found.values())
+
+
+# The collections a call of loss_fn adds to that the next call must not find (`_prepare`).
+_PER_CALL_COLLECTIONS = (tf1.GraphKeys.LOSSES, tf1.GraphKeys.UPDATE_OPS)
+
+
+def _stale_reads(loss: Any, state: Any) -> list:
+    """The tensors of the graph outside the loop that ``loss`` (built in the loop's body)
+    reads and that are computed from the variables the loop changes: inside the loop each
+    keeps the value it had when the run started (a loss built before `fuse`, e.g.
+    ``fuse(lambda: loss, ...)``, would apply the first step's gradient at every step)."""
+    handles = {v.handle.name for v in state if getattr(v, "handle", None) is not None}
+    if not hasattr(loss.graph, "captures"):  # the user's tensor itself (lambda: loss)
+        return [loss] if _handles_read(loss) & handles else []
+    stale, seen, todo = [], set(), [loss.op]
+    while todo:
+        op = todo.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        todo.extend(t.op for t in op.inputs)
+        if op.type != "Placeholder":
+            continue
+        outer = op.outputs[0]
+        while hasattr(outer.graph, "captures"):  # a function's input: what it captured
+            outer = next((o for o, i in outer.graph.captures if i is outer), None)
+            if outer is None or outer.dtype == tf.resource:
+                break
+            if outer.op.type != "Placeholder" and hasattr(outer.graph, "captures"):
+                todo.append(outer.op)  # computed in an enclosing function: walk it too
+                outer = None
+                break
+        else:  # a tensor of the user's graph
+            if _handles_read(outer) & handles and outer not in stale:
+                stale.append(outer)
+    return stale
 
 
 def _step_ops(loss_fn, optimizer, var_list, state, global_step=None):
@@ -228,6 +296,20 @@ def _step_ops(loss_fn, optimizer, var_list, state, global_step=None):
     all finite (the caller keeps or restores the update)."""
     with _reuse_scope():
         loss = _check_loss(loss_fn(), loss_fn)
+        inside = hasattr(tf1.get_default_graph(), "captures")  # the loop's body
+        stale = _stale_reads(loss, state) if inside else []
+        if stale:
+            _fail(
+                ValueError,
+                "loss_fn",
+                Described(f"a loss that reads {[t.name for t in stale]}", loss_fn),
+                "a function that builds the loss from the variables each time it is called",
+                "Those tensors were built outside loss_fn from the variables the loop trains: "
+                "inside the loop each would keep the value it had when the run started, so "
+                "every step would apply the first step's gradient. Move the lines that build "
+                "them into loss_fn, e.g. loss_fn = lambda: tf.reduce_mean(...(tf.matmul(x, "
+                "w) + b)...) rather than logits or a loss built before fuse.",
+            )
         gvs = optimizer.compute_gradients(loss, var_list)
     missing = [v.name for g, v in gvs if g is None]
     if missing:

@@ -214,7 +214,7 @@ def fuse(
             return loss_fn()
         return loss_fn(*streams.first(None if counter is None else counter.read_value()))
 
-    loss0, var_list, state = _prepare(first, optimizer, var_list, shown=loss_fn)
+    loss0, var_list, state, writes = _prepare(first, optimizer, var_list, shown=loss_fn)
     if global_step is not None and all(v is not global_step for v in state):
         state = state + [global_step]  # a refused update leaves it too; stepwise commits it
     if mode == "stepwise":
@@ -328,7 +328,7 @@ def fuse(
     shadow = choice = None
     if auto:
         choice = _resource_variable(tf.constant(1, tf.int32), "stepfuse_xla")
-        written = [*state, *([counter] if counter is not None else [])]
+        written = [*state, *writes, *([counter] if counter is not None else [])]
         if streams is not None and streams.order is not None:
             written += [streams.order, streams.order_epoch]
         shadow = Shadow(written, choice)
