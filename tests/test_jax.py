@@ -239,6 +239,25 @@ def test_a_weakly_typed_optimizer_state_compiles_one_program_for_every_call():
     assert (fit.compiles, trace.steps, float(state.opt_state["count"])) == (1, 5, 15.0)
 
 
+def test_weakly_typed_parameters_compile_one_program_for_every_call():
+    """A Python float (weakly typed) parameter: fit.init makes it strong, as a call returns
+    it (the second call compiled the program again)."""
+    fit = sf.fuse(
+        lambda p, x: jnp.sum((x * p["w"] - 1.0) ** 2) + p["b"] ** 2, optax.sgd(0.1), steps=3
+    )
+    state = fit.init({"w": jnp.ones(2), "b": 0.5})
+    assert not any(getattr(x, "weak_type", False) for x in jax.tree_util.tree_leaves(state))
+    for _ in range(3):
+        state, _ = fit(state, jnp.ones(2))
+    assert fit.compiles == 1
+
+
+def test_complex_parameters_are_refused_naming_the_fix():
+    fit = sf.fuse(lambda p: jnp.sum(jnp.abs(p["w"]) ** 2), optax.adam(0.1), steps=2)
+    with pytest.raises(TypeError, match=r"complex64 at params\['w'\].*real and imaginary"):
+        fit.init({"w": jnp.ones(2, jnp.complex64)})
+
+
 def test_an_optimizer_that_wants_per_example_gradients_fails_with_a_note_saying_why():
     fit = sf.fuse(mlp_loss, optax.contrib.dpsgd(0.01, 1.0, 0.1, seed=0), steps=3)
     state = fit.init(mlp_init((2, 16, 2)))
@@ -980,12 +999,18 @@ def test_callbacks_get_float64_losses_whole_under_x64(tmp_path):
     [
         pytest.param(lambda: optax.apply_if_finite(optax.adam(1e-2), 5), id="apply_if_finite"),
         pytest.param(lambda: optax.chain(optax.zero_nans(), optax.adam(1e-2)), id="zero_nans"),
+        pytest.param(
+            lambda: optax.MultiSteps(
+                optax.adam(1e-2), 2, should_skip_update_fn=optax.skip_not_finite
+            ),
+            id="MultiSteps-skip_not_finite",
+        ),
     ],
 )
 def test_an_optimizer_that_guards_its_gradients_goes_on_as_its_plain_loop(guarded, mode):
     """A NaN gradient on one minibatch (the loss masks the bad row, so it stays finite):
-    optax.apply_if_finite skips that update, zero_nans zeroes the NaNs, and the plain loop
-    goes on; so does the fit, whose check leaves the gradients to the optimizer (the
+    optax.apply_if_finite and MultiSteps with skip_not_finite skip that update, zero_nans
+    zeroes the NaNs, and the plain loop goes on; so does the fit, whose check leaves the gradients to the optimizer (the
     loss, parameters and state still checked)."""
     import stepfuse
 

@@ -39,7 +39,8 @@ _SPLIT_FIX = (
     "eqx.is_inexact_array)`, then `model = eqx.combine(params, static)` in loss_fn. Flax nnx: "
     "`graphdef, params, rest = nnx.split(model, nnx.Param, ...)`, then "
     "`model = nnx.merge(graphdef, params, rest)` in loss_fn, with `rest` (batch statistics "
-    "...) carried by fuse(..., has_state=True) and fit.init(params, rest). Other values: "
+    "...) carried by fuse(..., has_state=True) and fit.init(params, rest). A flax "
+    "TrainState: pass state.params (the fit keeps its own optimizer state). Other values: "
     "cast them, e.g. jnp.asarray(x, jnp.float32), or close over them in loss_fn."
 )
 
@@ -65,6 +66,13 @@ def check_params(params: Any, name: str = "params") -> None:
             raise TypeError(
                 f"`{name}` must be a pytree of float arrays; got a {type(leaf).__name__} "
                 f"({_short(repr(leaf), 120)}) at {where}. {_SPLIT_FIX}"
+            )
+        if jnp.issubdtype(dtype, jnp.complexfloating):
+            raise TypeError(
+                f"`{name}` must hold only real floating-point arrays; got dtype {dtype} at "
+                f"{where}: complex parameters are not supported. Keep the real and imaginary "
+                "parts as two float arrays and build the complex value in loss_fn "
+                "(jax.lax.complex(re, im))."
             )
         if not jnp.issubdtype(dtype, jnp.floating):
             raise TypeError(

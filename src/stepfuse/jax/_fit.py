@@ -123,7 +123,8 @@ class Fit:
                 "model state."
             )
         check_model_state(model_state)
-        params = jax.tree_util.tree_map(jnp.asarray, params)
+        # (strong dtypes, as below: a Python float leaf would compile the program twice)
+        params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.result_type(x)), params)
         check_lookahead(self.optimizer, params)
         # Strong dtypes: a call returns the states the loop carried, strongly typed; a
         # weakly typed leaf in the first call's state (optax's line searches start their

@@ -134,12 +134,19 @@ _GUARDS = (optax.ApplyIfFiniteState, optax.ZeroNansState)
 
 def guards_gradients(opt_state: Any) -> bool:
     """Whether the optimizer guards itself against non-finite gradients
-    (``optax.apply_if_finite``, ``optax.zero_nans``). Its plain loop goes on past a NaN/inf
+    (``optax.apply_if_finite``, ``optax.zero_nans``, ``optax.MultiSteps`` with a
+    ``should_skip_update_fn``). Its plain loop goes on past a NaN/inf
     gradient (the update skipped or the NaNs zeroed), so the step's check leaves the
     gradients to it: the loss, the new parameters and the new state are still checked,
     and a step that makes one of them non-finite is refused as always."""
-    guards = jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, _GUARDS))
-    return any(isinstance(x, _GUARDS) for x in guards)
+    kinds = (*_GUARDS, optax.MultiStepsState)
+    found = jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds))
+    return any(
+        isinstance(x, _GUARDS)
+        # optax.MultiSteps(..., should_skip_update_fn=optax.skip_not_finite): a skip state
+        or (isinstance(x, optax.MultiStepsState) and bool(jax.tree_util.tree_leaves(x.skip_state)))
+        for x in found
+    )
 
 
 def plan(
