@@ -27,16 +27,13 @@ Y = tf.constant(RNG.integers(0, 3, size=16).astype(np.int32))
 _ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def batchnorm_mlp():
+def batchnorm_mlp(dropout=False):
     keras.utils.set_random_seed(0)
-    return keras.Sequential(
-        [
-            keras.Input((4,)),
-            keras.layers.Dense(8, use_bias=False),
-            keras.layers.BatchNormalization(),
-            keras.layers.Dense(3),
-        ]
-    )
+    layers = [keras.Input((4,)), keras.layers.Dense(8, use_bias=False)]
+    layers.append(keras.layers.BatchNormalization())
+    if dropout:
+        layers.append(keras.layers.Dropout(0.5, seed=3))
+    return keras.Sequential([*layers, keras.layers.Dense(3)])
 
 
 def plain(loss_fn, optimizer, variables, batches):
@@ -97,19 +94,7 @@ def test_a_refused_step_puts_statistics_back_and_leaves_dropout_draws_drawn(pass
     whichever way the variables were passed; the dropout seed advanced, as in a plain loop
     that ran the forward pass and skipped the update; the next call equals that loop."""
 
-    def make():
-        keras.utils.set_random_seed(0)
-        return keras.Sequential(
-            [
-                keras.Input((4,)),
-                keras.layers.Dense(8, use_bias=False),
-                keras.layers.BatchNormalization(),
-                keras.layers.Dropout(0.5, seed=3),
-                keras.layers.Dense(3),
-            ]
-        )
-
-    model, ref = make(), make()
+    model, ref = batchnorm_mlp(dropout=True), batchnorm_mlp(dropout=True)
     fit = sf.fuse(
         lambda x, y, s: _ce(y, model(x, training=True)) * s,
         keras.optimizers.SGD(0.1),

@@ -32,7 +32,7 @@ try:  # which resources an op writes (nested functions' call ops included)
 except ImportError:  # pragma: no cover - other TF versions: the variables fuse was given
     _acd = None
 
-__all__ = ["Probe", "avoid_xla", "hold", "probe"]
+__all__ = ["Probe", "avoid_xla", "hold", "probe", "resource_writes"]
 
 # Ops that advance a random generator's state; and the names of the state variables a
 # Keras SeedGenerator and a tf.random.Generator make.
@@ -101,25 +101,37 @@ def _writes(graph: Any) -> tuple[tuple[Any, ...] | None, tuple[Any, ...]]:
     resources each op writes (a call of a nested function, a loop or a branch, says which
     of its resources it only reads); ``None`` where TensorFlow cannot say."""
     variables = list(getattr(graph, "variables", ()))
-    if _acd is None:
-        return None, tuple(v for v in variables if _named_random(v))
     external = {id(inside): outside for outside, inside in graph.captures}
     by_handle = {id(v.handle): v for v in variables if hasattr(v, "handle")}
+    writes = resource_writes(graph.get_operations())
+    if writes is None:
+        return None, tuple(v for v in variables if _named_random(v))
     written: dict[int, Any] = {}
     random: dict[int, Any] = {}
-    for op in graph.get_operations():
+    for op, t in writes:
+        v = by_handle.get(id(external.get(id(t))))
+        if v is None:
+            continue
+        written[id(v)] = v
+        if op.type.startswith(_RANDOM_STATE_OPS) or _named_random(v):
+            random[id(v)] = v
+    return tuple(written.values()), tuple(random.values())
+
+
+def resource_writes(ops: Any) -> list[tuple[Any, Any]] | None:
+    """``(op, resource tensor)`` for each resource one of ``ops`` writes (a call of a
+    nested function, a loop or a branch, says which of its resources it only reads);
+    None where TensorFlow cannot say (then what is written is not known)."""
+    if _acd is None:  # pragma: no cover - other TF versions
+        return None
+    found = []
+    for op in ops:
         try:
             _, writes = _acd.get_read_write_resource_inputs(op)
-        except Exception:  # noqa: BLE001 - an op TensorFlow cannot describe: not known
-            return None, tuple(v for v in variables if _named_random(v))
-        for t in writes:
-            v = by_handle.get(id(external.get(id(t))))
-            if v is None:
-                continue
-            written[id(v)] = v
-            if op.type.startswith(_RANDOM_STATE_OPS) or _named_random(v):
-                random[id(v)] = v
-    return tuple(written.values()), tuple(random.values())
+        except Exception:  # noqa: BLE001 - an op TensorFlow cannot describe
+            return None
+        found += [(op, t) for t in writes]
+    return found
 
 
 def _named_random(v: Any) -> bool:

@@ -12,7 +12,7 @@ import tensorflow as tf
 from .._core import Described
 from ._checks import _check_loss, _fail
 from ._loop import _all_finite
-from ._probe import _acd
+from ._probe import resource_writes
 
 tf1 = tf.compat.v1
 
@@ -237,20 +237,13 @@ def _prepare(loss_fn, optimizer, var_list, shown=None):
 def _written(ops: Any) -> list:
     """The variables ``ops`` write (a forward pass's moving statistics, counters), from
     the resources each op writes; what a ``jit_compile="auto"`` trial run must undo."""
-    if _acd is None:  # pragma: no cover - other TF versions
-        return []
     variables = tf1.global_variables() + tf1.local_variables()
     by_handle = {v.handle.name: v for v in variables if getattr(v, "handle", None) is not None}
     found: dict[int, Any] = {}
-    for op in ops:
-        try:
-            _, writes = _acd.get_read_write_resource_inputs(op)
-        except Exception:  # noqa: BLE001 - an op TensorFlow cannot describe
-            continue
-        for t in writes:
-            v = by_handle.get(t.name)
-            if v is not None:
-                found[id(v)] = v
+    for _, t in resource_writes(ops) or ():
+        v = by_handle.get(t.name)
+        if v is not None:
+            found[id(v)] = v
     return list(found.values())
 
 
