@@ -99,6 +99,7 @@ def test_epochs_refuses_bad_input(args, kwargs, match):
         ((np.zeros((3, 2)), np.zeros((4, 2))), "same leading length"),
         ((np.zeros((3, 2)), "text"), r"Batches\(\*arrays\)\[1\]"),
         ((np.float64(1.0),), "leading axis"),
+        (({"x": np.zeros((3, 2))},), r"a dict \(dict\)\. Pass its arrays .*sorted key order"),
     ],
 )
 def test_batches_refuses_bad_input(args, match):

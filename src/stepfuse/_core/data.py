@@ -171,7 +171,13 @@ def _check_arrays(cls: str, arrays: Sequence[Any], what: str, unknown: bool = Fa
                 f"{cls}(*arrays)[{j}]",
                 a if isinstance(a, (int, float, str)) else Described(f"a {type(a).__name__}", a),
                 "an array (NumPy, JAX, TensorFlow or torch) with a leading axis",
-                "Convert it first, e.g. np.asarray(data); a stream holds arrays only.",
+                (
+                    f"Pass its arrays in the order loss_fn takes them, e.g. {cls}(d['x'], d['y']), "
+                    "or in sorted key order: "
+                    f"{cls}(*(d[k] for k in sorted(d))); a stream holds arrays only."
+                    if isinstance(a, Mapping)
+                    else "Convert it first, e.g. np.asarray(data); a stream holds arrays only."
+                ),
             )
         dims = _dims(a)
         if dims is not None and len(dims) == 0:
