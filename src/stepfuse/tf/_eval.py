@@ -26,6 +26,7 @@ from .._core import EvalTrace, Options, ceil_div, eval_due, eval_values, host_ev
 from ._checks import _ArgumentError, _fail, _flat_batch
 from ._loop import Buffers
 from ._ops import OPS
+from ._probe import variables_written
 
 __all__ = ["Evaluations"]
 
@@ -62,6 +63,7 @@ class Evaluations:
         self.size = 1
         self._dtypes: dict[Any, dict[str, tf.DType]] = {}  # signature -> each value's dtype
         self.dtypes: dict[str, tf.DType] = {}  # those of the call being run
+        self.written: list = []  # the variables eval_fn writes (see `probe`)
 
     # -- the host side ------------------------------------------------------------------
 
@@ -80,6 +82,12 @@ class Evaluations:
             specs = [tf.TensorSpec(t.shape, t.dtype) for t in tail[1:]]
             concrete = tf.function(self._traced, autograph=False).get_concrete_function(*specs)
             values = eval_values(concrete.structured_outputs)
+            # what it writes (a metric, BatchNorm statistics): a jit_compile="auto" trial
+            # undoes it (`Fit._written_variables`)
+            written, drawn = variables_written(concrete.graph)
+            for v in [*(written or ()), *drawn]:
+                if all(v is not w for w in self.written):
+                    self.written.append(v)
             found = self._dtypes[key] = {
                 name: _buffer_dtype(tf.convert_to_tensor(v).dtype) for name, v in values.items()
             }

@@ -154,7 +154,9 @@ class Fit(Stepwise):
         # needs (it may raise, and the loop must stop there); docs/internals/tf.md.
         # The optimizer's iterations when a call of TensorFlow's kernels starts: where an op
         # fails mid-call, the steps applied are the iterations since (refused ones undone).
-        self._iterations = _tf_var(optimizer.iterations)
+        # (`_iterations` counts every update; `iterations` is a quotient of it where the
+        # optimizer accumulates gradients over several steps)
+        self._iterations = _tf_var(getattr(optimizer, "_iterations", optimizer.iterations))
         self._iterations_before = tf.Variable(self._iterations.read_value(), trainable=False)
         self._published = (
             tf.Variable([math.nan, math.nan], dtype=tf.float64, trainable=False)
@@ -278,7 +280,8 @@ class Fit(Stepwise):
 
     def _written_variables(self) -> list:
         """Every variable a call may write: what a trial of the loop (`_plan`) puts back."""
-        return [*self._state, *self._held, *self._drawn, *self._streams.variables()]
+        evaluated = self._evals.written if self._evals is not None else []
+        return [*self._state, *self._held, *self._drawn, *evaluated, *self._streams.variables()]
 
     def _adopt(self, plan: dict[str, Any], program: Any, compiles: int) -> None:
         """Keep ``plan`` (`_plan.choose`): the chosen path's programs, with ``program``

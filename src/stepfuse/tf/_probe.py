@@ -32,7 +32,7 @@ try:  # which resources an op writes (nested functions' call ops included)
 except ImportError:  # pragma: no cover - other TF versions: the variables fuse was given
     _acd = None
 
-__all__ = ["Probe", "avoid_xla", "hold", "probe", "resource_writes"]
+__all__ = ["Probe", "avoid_xla", "hold", "probe", "resource_writes", "variables_written"]
 
 # Ops that advance a random generator's state; and the names of the state variables a
 # Keras SeedGenerator and a tf.random.Generator make.
@@ -83,7 +83,7 @@ def probe(fit: Any, batch: Any) -> Probe:
     nodes = list(graph_def.node)
     for function in graph_def.library.function:
         nodes += function.node_def
-    written, random_states = _writes(concrete.graph)
+    written, random_states = variables_written(concrete.graph)
     return Probe(
         dtype=tf.float64 if loss.dtype.base_dtype == tf.float64 else tf.float32,
         random_ops=_random_ops(graph_def),
@@ -96,7 +96,7 @@ def probe(fit: Any, batch: Any) -> Probe:
     )
 
 
-def _writes(graph: Any) -> tuple[tuple[Any, ...] | None, tuple[Any, ...]]:
+def variables_written(graph: Any) -> tuple[tuple[Any, ...] | None, tuple[Any, ...]]:
     """``(written, random states)``: the variables ``graph``'s ops write, found from the
     resources each op writes (a call of a nested function, a loop or a branch, says which
     of its resources it only reads); ``None`` where TensorFlow cannot say."""

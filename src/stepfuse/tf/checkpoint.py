@@ -2,8 +2,11 @@
 
 A checkpoint covers what a fit needs to continue exactly where it stopped: the
 trained variables, the Keras optimizer (its slot variables, ``iterations`` and
-``learning_rate``) and the fit's step count (``fit.step``, used for the global step
-numbers of callbacks and `stepfuse.NonFiniteError`)::
+``learning_rate``), the fit's step count (``fit.step``, used for the global step
+numbers of callbacks and `stepfuse.NonFiniteError`) and, for a model passed to ``fuse``
+whole, the model's non-trainable variables (BatchNorm statistics, dropout seed states).
+A fit given a list of variables knows no others before its first call: save the rest
+yourself (``model.save_weights``), or pass the model::
 
     from stepfuse.tf import checkpoint
     checkpoint.save("ckpt/fit", fit)       # writes ckpt/fit.index + ckpt/fit.data-*
@@ -48,11 +51,14 @@ def make(fit: Any) -> tf.train.Checkpoint:
     `save` and `restore` keep it in sync with ``fit.step``.
     """
     _check_fit(fit)
-    return tf.train.Checkpoint(
-        variables=list(fit.variables),
-        optimizer=fit.optimizer,
-        step=tf.Variable(int(fit.step), dtype=tf.int64, trainable=False),
-    )
+    parts = {
+        "variables": list(fit.variables),
+        "optimizer": fit.optimizer,
+        "step": tf.Variable(int(fit.step), dtype=tf.int64, trainable=False),
+    }
+    if fit._given_held:  # a model passed whole: its other variables (BatchNorm, seeds)
+        parts["model_state"] = list(fit._given_held)
+    return tf.train.Checkpoint(**parts)
 
 
 def save(path: str | os.PathLike[str], fit: Any) -> str:
