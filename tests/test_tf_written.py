@@ -275,3 +275,26 @@ def test_a_checkpoint_of_a_model_passed_whole_holds_its_statistics_and_seeds(tmp
     got = resumed(X, Y)
     assert_close(got.loss, want.loss, 0, 0, what="losses after the restore")
     assert_close(numpy(resumed_model.variables), numpy(straight.variables), 0, 0, what="model")
+
+
+def test_a_call_from_the_fits_own_callback_is_refused():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    refused = []
+
+    def callback(step, loss):
+        try:
+            fit(X, Y, steps=1)
+        except RuntimeError as e:
+            refused.append(str(e))
+
+    fit = sf.fuse(
+        lambda x, y: _ce(y, model(x)),
+        keras.optimizers.SGD(0.1),
+        model,
+        steps=2,
+        callback=callback,
+        every=1,
+        jit_compile=False,
+    )
+    assert fit(X, Y).steps == 2 and fit.step == 2
+    assert len(refused) == 2 and "stepfuse.tf: this fit is already running" in refused[0]

@@ -110,3 +110,95 @@ def test_a_build_failure_says_what_to_change_where_dynamo_names_the_cause(text, 
         assert "What to change" not in reason
     else:
         assert "What to change" in reason and hint in reason
+
+
+def small_net(p=0.0):
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(p), nn.Linear(8, 3))
+
+
+def test_a_parameter_replaced_after_fuse_is_refused_before_anything_runs():
+    model = small_net()
+    fit = sf.fuse(
+        lambda x, y: F.cross_entropy(model(x), y),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        steps=2,
+    )
+    model[3].weight = nn.Parameter(torch.zeros(3, 8))
+    with pytest.raises(
+        ValueError, match=r"Linear\.weight \(3, 8\) was replaced after the fit was built"
+    ):
+        fit(*data())
+    assert fit.step == 0 and bool((model[3].weight == 0).all())
+
+
+def test_a_call_from_the_fits_own_callback_is_refused():
+    model = small_net()
+    x, y = data()
+    calls = []
+
+    def callback(step, loss):
+        try:
+            fit(x, y, steps=1)
+        except RuntimeError as e:
+            calls.append(str(e))
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fit = sf.fuse(
+        lambda x, y: F.cross_entropy(model(x), y),
+        opt,
+        steps=3,
+        callback=callback,
+        every=1,
+        mode="stepwise",
+    )
+    assert fit(x, y).steps == 3 and fit.step == 3
+    assert len(calls) == 3 and "already running a call" in calls[0]
+
+
+def test_a_torch_compiled_module_falls_back_saying_to_pass_the_module():
+    model = torch.compile(small_net())
+    with pytest.warns(RuntimeWarning, match="torch.compile'd module"):
+        fit = sf.fuse(
+            lambda x, y: F.cross_entropy(model(x), y),
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            steps=2,
+        )
+    assert fit.mode == "stepwise"
+
+
+def test_what_a_callback_or_the_caller_changes_in_the_modules_holds_from_then_on():
+    """model.eval() from a callback mid-call, then Dropout's p changed between calls: the
+    fused fit runs each as the plain loop does (the rest of the call ran in train mode; p
+    was compiled in and silently kept)."""
+    x, y = data()
+    ref, model = small_net(), small_net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = []
+    for k in range(6):
+        if k == 3:
+            ref.eval()
+        loss = F.cross_entropy(ref(x), y)
+        ref_opt.zero_grad()
+        loss.backward()
+        ref_opt.step()
+        want.append(loss.item())
+
+    def callback(step, loss):
+        if step == 3:
+            model.eval()
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fit = sf.fuse(
+        lambda x, y: F.cross_entropy(model(x), y), opt, steps=6, callback=callback, every=3
+    )
+    trace = fit(x, y)
+    assert fit.mode == "fused", fit.fallback_reason
+    torch.testing.assert_close(torch.tensor(trace.loss), torch.tensor(want), rtol=1e-5, atol=1e-6)
+    for a, b in zip(model.state_dict().values(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # p changed between calls, in eval mode (no draws): a new program, with a warning
+    model[2].p = ref[2].p = 0.5
+    with pytest.warns(RuntimeWarning, match=r"Dropout\.p: 0\.0 -> 0\.5"):
+        fit(x, y, steps=2)
+    assert fit.compiles == 3

@@ -1,11 +1,13 @@
 """The host side of every fused call, written once: notifications from inside the loop
 (the user's callback and the progress bar), where a call's loop reaches the host
 (`next_multiple`, `paced_every`), a callback's error kept until the loop is done
-(`CallbackErrors`), and Ctrl-C held back while results are written (`deferred_interrupts`).
+(`CallbackErrors`), Ctrl-C held back while results are written (`deferred_interrupts`),
+and one call of a fit at a time (`exclusive`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import os
@@ -24,6 +26,7 @@ __all__ = [
     "CallbackErrors",
     "Notifier",
     "deferred_interrupts",
+    "exclusive",
     "next_multiple",
     "paced_every",
 ]
@@ -33,6 +36,30 @@ def next_multiple(step: Any, every: Any, ahead: Any = 1) -> Any:
     """The first multiple of ``every`` at least ``ahead`` steps after ``step``: where a
     segment of a call that notifies every ``every`` updates ends (ints or tensors)."""
     return (step + ahead + every - 1) // every * every
+
+
+def exclusive(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``Fit.__call__`` one call at a time: a call while another runs (from another thread,
+    or from the fit's own callback) raises before anything runs. Two calls at once would
+    write the same parameters and optimizer state, and the fit's step count, in turns."""
+
+    @functools.wraps(call)
+    def run(fit: Any, *args: Any, **kwargs: Any) -> Any:
+        lock = fit.__dict__.setdefault("_call_lock", threading.Lock())
+        if not lock.acquire(blocking=False):
+            backend = type(fit).__module__.rsplit("._", 1)[0]
+            raise RuntimeError(
+                f"{backend}: this fit is already running a call (from another thread, or "
+                "from its own callback); a fit runs one call at a time. Wait for it to "
+                "return, or build another fit (with its own model and optimizer) for "
+                "parallel work. Nothing was run or changed."
+            )
+        try:
+            return call(fit, *args, **kwargs)
+        finally:
+            lock.release()
+
+    return run
 
 
 def paced_every(every: int, seconds_per_step: float | None, seconds: float) -> int:

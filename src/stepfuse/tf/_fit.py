@@ -24,6 +24,7 @@ from .._core import (
     check_call_steps,
     check_eval_batch,
     deferred_interrupts,
+    exclusive,
     finish,
     host_trace,
 )
@@ -154,8 +155,7 @@ class Fit(Stepwise):
         # needs (it may raise, and the loop must stop there); docs/internals/tf.md.
         # The optimizer's iterations when a call of TensorFlow's kernels starts: where an op
         # fails mid-call, the steps applied are the iterations since (refused ones undone).
-        # (`_iterations` counts every update; `iterations` is a quotient of it where the
-        # optimizer accumulates gradients over several steps)
+        # (`_iterations` counts every update; `iterations` divides it by gradient accumulation)
         self._iterations = _tf_var(getattr(optimizer, "_iterations", optimizer.iterations))
         self._iterations_before = tf.Variable(self._iterations.read_value(), trainable=False)
         self._published = (
@@ -457,6 +457,7 @@ class Fit(Stepwise):
 
     # -- calling ------------------------------------------------------------------------
 
+    @exclusive
     def __call__(self, *batch: Any, steps: Any = None, eval_batch: Any = None) -> Trace:
         """Run ``steps`` (default: the ``steps`` given to `fuse`) updates; returns the `Trace`.
 

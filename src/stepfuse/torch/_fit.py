@@ -39,6 +39,7 @@ from .._core import (
     check_int,
     check_options,
     deferred_interrupts,
+    exclusive,
     finish,
     host_trace,
     n_recorded,
@@ -47,7 +48,7 @@ from .._core import (
     run_stepwise,
 )
 from .._core.options import shared_doc
-from . import _cuda, _data, _eager, _eval, _plan, _program, _ranks
+from . import _changes, _cuda, _data, _eager, _eval, _plan, _program, _ranks
 from ._draws import draws_verified
 from ._failure import build_failure
 from ._probe import (
@@ -119,7 +120,7 @@ class Fit:
         self._loss_dtype = torch.float32
         self._program: Any = None
         self._nans: dict[tuple, torch.Tensor] = {}
-        self._submodules: list[nn.Module] | None = None  # `_training`
+        self._submodules: list | None = None  # `_training`
         self._program_key: tuple | None = None
         self._captured: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
         self._fed = _data.Fed((), torch.device("cpu"), 0, 0)  # the call's arguments (`__call__`)
@@ -265,6 +266,8 @@ class Fit:
             self._captured.move_to_end(key)
             self._program, self._program_key = self._captured[key], key
             return
+        if self._program_key is not None and self._program_key[3] != key[3]:
+            _changes.numbers_changed(self._submodules, self._program_key[3], key[3])
         if self._program_key is not None and self._program_key[0] != key[0]:
             warnings.warn(
                 "stepfuse.torch: the optimizer's hyper-parameters changed (an lr scheduler, a "
@@ -296,11 +299,12 @@ class Fit:
         while len(self._captured) > _GRAPH_CACHE:
             self._captured.popitem(last=False)
 
-    def _training(self) -> tuple[bool, ...]:
-        """The modules' training flags (a program is traced in one mode: dropout, BatchNorm)."""
+    def _training(self) -> tuple:
+        """The modules' training flags and other Python numbers (a program is traced with
+        them: dropout, BatchNorm, Dropout's ``p``; `_changes.module_numbers`)."""
         if self._submodules is None:  # the modules as the first program was built for
-            self._submodules = [m for top in self._modules for m in top.modules()]
-        return tuple(m.training for m in self._submodules)
+            self._submodules = _changes.watched(self._modules)
+        return _changes.module_numbers(self._submodules)
 
     def _hyper_key(self) -> tuple:
         """Every group's hyper-parameters (compiled into the fused program)."""
@@ -318,6 +322,7 @@ class Fit:
 
     # -- one call ----------------------------------------------------------------------------
 
+    @exclusive
     @_ranks.collective
     def __call__(self, *batch: Any, steps: int | None = None, eval_batch: Any = None) -> Trace:
         """Run ``steps`` (default: the ``steps`` given to `fuse`) updates on ``batch``.
@@ -335,6 +340,8 @@ class Fit:
         n = check_call_steps(steps, self.opts, capped=False)
         _eval.check_call(self._evals, eval_batch)  # eval_fn runs once per eval_batch signature
         check_params_unchanged(self.optimizer, self._params)
+        if self.mode == "fused":
+            _changes.check_modules_unchanged(self._resolved, self._params)
         self._fed = _data.Fed(batch, self._params[0].device, self.step, n)  # checks the streams
         self._read_trainable()
         grads_before = [p.grad for p in self._params]
@@ -500,18 +507,8 @@ class Fit:
                 prev = flow.last
                 if notify is not None and applied and self.step % every == 0:
                     notify(self.step, float(flow.last))
-                    assert self._program_key is not None
-                    if i < n and self._program_key[0] != self._hyper_key():
-                        # The callback changed a hyper-parameter (its lr ...): the rest of the
-                        # call runs with it, as the stepwise loop would.
-                        self._ensure_program()
-                        if self.mode != "fused":
-                            raise RuntimeError(
-                                f"stepfuse.torch: the callback set hyper-parameters the fused program "
-                                f"could not be compiled with ({self.fallback_reason}); this call stopped "
-                                f"after {self.step - start} applied updates (kept). Call again: the fit "
-                                "now runs stepwise."
-                            )
+                    if i < n:  # the rest of the call runs what the callback changed
+                        _changes.rekey_after_callback(self, start)
             note.done(self.step - start)
         loss = (
             losses[0] if len(losses) == 1 else np.concatenate(losses or [np.zeros(0, np.float32)])

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._core import Described, fail
+from ._changes import compiled_module_reason
 from ._rules import HANDLED, IGNORED_GROUP_KEYS, SUPPORTED_OPTIMIZERS, Rule, refusal
 from ._state import Held, put_back
 
@@ -143,6 +144,9 @@ def resolve(
             f"the fused {type(optimizer).__name__} rule does not read its option(s) "
             f"{', '.join(unhandled)}."
         )
+    compiled = compiled_module_reason(modules)
+    if compiled is not None:
+        return compiled
     names: dict[int, str] = {}
     wrapper = _LossModule(loss_fn, modules)
     for name, p in wrapper.named_parameters(remove_duplicate=False):
