@@ -199,6 +199,7 @@ def test_what_a_callback_or_the_caller_changes_in_the_modules_holds_from_then_on
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     # p changed between calls, in eval mode (no draws): a new program, with a warning
     model[2].p = ref[2].p = 0.5
-    with pytest.warns(RuntimeWarning, match=r"Dropout\.p: 0\.0 -> 0\.5"):
+    with pytest.warns(RuntimeWarning, match=r"Dropout\.p: 0\.0 -> 0\.5") as caught:
         fit(x, y, steps=2)
     assert fit.compiles == 3
+    assert {w.filename for w in caught} == {__file__}  # the caller's line

@@ -20,6 +20,7 @@ from .driver import (
     exclusive,
     next_multiple,
     paced_every,
+    user_stacklevel,
     with_state,
 )
 from .evaluation import (
@@ -84,6 +85,7 @@ __all__ = [
     "named_evals",
     "next_multiple",
     "paced_every",
+    "user_stacklevel",
     "run_stepwise",
     "shared_doc",
 ]

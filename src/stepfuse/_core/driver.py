@@ -7,11 +7,11 @@ and one call of a fit at a time (`exclusive`).
 
 from __future__ import annotations
 
-import functools
 import importlib
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +29,7 @@ __all__ = [
     "exclusive",
     "next_multiple",
     "paced_every",
+    "user_stacklevel",
 ]
 
 
@@ -38,28 +39,42 @@ def next_multiple(step: Any, every: Any, ahead: Any = 1) -> Any:
     return (step + ahead + every - 1) // every * every
 
 
-def exclusive(call: Callable[..., Any]) -> Callable[..., Any]:
-    """``Fit.__call__`` one call at a time: a call while another runs (from another thread,
-    or from the fit's own callback) raises before anything runs. Two calls at once would
-    write the same parameters and optimizer state, and the fit's step count, in turns."""
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-    @functools.wraps(call)
-    def run(fit: Any, *args: Any, **kwargs: Any) -> Any:
-        lock = fit.__dict__.setdefault("_call_lock", threading.Lock())
-        if not lock.acquire(blocking=False):
-            backend = type(fit).__module__.rsplit("._", 1)[0]
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` of ``warnings.warn`` that names the first caller outside
+    stepfuse, from wherever inside it the warning is raised (the depth differs between
+    a call's start and a callback mid-call)."""
+    frame: Any = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+class exclusive:  # noqa: N801 - used as a function: ``with exclusive(fit):``
+    """One call of a fit at a time: ``with exclusive(fit):`` around ``Fit.__call__``'s body
+    (no frame of its own, so warnings still point at the caller's line). A call while
+    another runs (from another thread, or from the fit's own callback) raises before
+    anything runs: two calls at once would write the same parameters, optimizer state and
+    step count in turns."""
+
+    def __init__(self, fit: Any):
+        self.lock = fit.__dict__.setdefault("_call_lock", threading.Lock())
+        self.backend = type(fit).__module__.rsplit("._", 1)[0]
+
+    def __enter__(self) -> None:
+        if not self.lock.acquire(blocking=False):
             raise RuntimeError(
-                f"{backend}: this fit is already running a call (from another thread, or "
-                "from its own callback); a fit runs one call at a time. Wait for it to "
+                f"{self.backend}: this fit is already running a call (from another thread, "
+                "or from its own callback); a fit runs one call at a time. Wait for it to "
                 "return, or build another fit (with its own model and optimizer) for "
                 "parallel work. Nothing was run or changed."
             )
-        try:
-            return call(fit, *args, **kwargs)
-        finally:
-            lock.release()
 
-    return run
+    def __exit__(self, *exc: Any) -> None:
+        self.lock.release()
 
 
 def paced_every(every: int, seconds_per_step: float | None, seconds: float) -> int:

@@ -22,6 +22,7 @@ kernels (``fit.plan`` says so).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import tensorflow as tf
@@ -29,7 +30,7 @@ import tensorflow as tf
 from ._checks import _ArgValueError, _fail, _tf_var
 from ._loop import _all_finite, _finite_probe
 
-__all__ = ["strategy_of", "check_split", "distributed_step", "xla_refused"]
+__all__ = ["check_split", "distributed_step", "no_xla_under", "strategy_of", "xla_refused"]
 
 
 def strategy_of(variables: list, optimizer: Any) -> Any:
@@ -126,3 +127,18 @@ def distributed_step(fit: Any, batch: Any) -> tuple:
     new = [v.read_value() for v in fit._state]
     ok = tf.logical_and(tf.math.is_finite(probe), _all_finite(new))
     return loss, snapshot, new, ok
+
+
+def no_xla_under(fit: Any, strategy: Any, jit_compile: Any) -> None:
+    """A fit under ``strategy`` runs without XLA (`xla_refused` says why); a given
+    ``jit_compile=True`` warns that it cannot be kept."""
+    reason = xla_refused(strategy)
+    if jit_compile is True:
+        warnings.warn(
+            f"stepfuse.tf: jit_compile=True cannot be kept: {reason}. Pass "
+            "jit_compile='auto' or False to silence this.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    fit.plan = {"xla": False, "reason": reason}
+    fit.jit_compile = False

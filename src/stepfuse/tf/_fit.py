@@ -38,7 +38,7 @@ from ._checks import (
     _tf_var,
 )
 from ._data import Streams, only_given
-from ._distribute import check_split, distributed_step, strategy_of, xla_refused
+from ._distribute import check_split, distributed_step, no_xla_under, strategy_of
 from ._eval import Evaluations
 from ._loop import _INT, _all_finite, _inner_loop, _outer_loop
 from ._plan import AUTO, choose, given, undecided, xla_cause
@@ -128,7 +128,7 @@ class Fit(Stepwise):
         # every replica (`_distribute`), without XLA.
         self._strategy = strategy_of(variables, optimizer)
         if self._strategy is not None:
-            self._no_xla_under(self._strategy, jit_compile)
+            no_xla_under(self, self._strategy, jit_compile)
         if not optimizer.built:  # as `apply_gradients` builds it (the variables' paths)
             with self._scope(), keras.name_scope(optimizer.name, caller=optimizer):
                 optimizer.build(variables)
@@ -259,18 +259,6 @@ class Fit(Stepwise):
     def _scope(self) -> Any:
         """The strategy's scope (or nothing): where the optimizer builds its variables."""
         return contextlib.nullcontext() if self._strategy is None else self._strategy.scope()
-
-    def _no_xla_under(self, strategy: Any, jit_compile: Any) -> None:
-        reason = xla_refused(strategy)
-        if jit_compile is True:
-            warnings.warn(
-                f"stepfuse.tf: jit_compile=True cannot be kept: {reason}. Pass "
-                "jit_compile='auto' or False to silence this.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        self.plan = {"xla": False, "reason": reason}
-        self.jit_compile = False
 
     def _without_xla(self, reason: str) -> None:
         """Run the loop without XLA from now on (``fit.plan`` says why)."""
@@ -457,7 +445,6 @@ class Fit(Stepwise):
 
     # -- calling ------------------------------------------------------------------------
 
-    @exclusive
     def __call__(self, *batch: Any, steps: Any = None, eval_batch: Any = None) -> Trace:
         """Run ``steps`` (default: the ``steps`` given to `fuse`) updates; returns the `Trace`.
 
@@ -465,76 +452,80 @@ class Fit(Stepwise):
         other value one argument, None none); new values of the same shapes and dtypes
         reuse the traced programs.
         """
-        n = check_call_steps(steps, self.opts, capped=False)
-        eval_args = check_eval_batch(eval_batch, self.opts.eval_fn)
-        if not tf.executing_eagerly():
-            raise RuntimeError(
-                "stepfuse.tf: call the fit eagerly, not inside a tf.function or graph: it "
-                "compiles its own tf.function (all steps in one call) and reads the trace "
-                "back on the host. Call fit(*batch) from Python; for TF1 graphs use "
-                "stepfuse.tf.v1.fuse."
-            )
-        start = self.step
-        batch, structure = self._streams.flatten(batch, n, start, self)
-        if self._strategy is not None:  # each replica takes an equal share of a step's rows
-            rows = self._streams.step_rows(structure, batch)
-            check_split(rows, self._strategy.num_replicas_in_sync, self._strategy)
-        if structure != self._structure:  # another nesting of tensors: trace again
-            if self._structure is not None:
-                self._build()
-            self._structure = structure
-            self._probes.clear()
-        tail: tuple = ()
-        if self._evals is not None:
-            tail, eval_structure = self._evals.flatten(eval_args, start)
-            if eval_structure != self._evals.structure or len(tail) != self._evals.size:
-                if self._evals.structure is not None:
+        with exclusive(self):  # one call at a time
+            n = check_call_steps(steps, self.opts, capped=False)
+            eval_args = check_eval_batch(eval_batch, self.opts.eval_fn)
+            if not tf.executing_eagerly():
+                raise RuntimeError(
+                    "stepfuse.tf: call the fit eagerly, not inside a tf.function or graph: it "
+                    "compiles its own tf.function (all steps in one call) and reads the trace "
+                    "back on the host. Call fit(*batch) from Python; for TF1 graphs use "
+                    "stepfuse.tf.v1.fuse."
+                )
+            start = self.step
+            batch, structure = self._streams.flatten(batch, n, start, self)
+            if self._strategy is not None:  # each replica takes an equal share of a step's rows
+                rows = self._streams.step_rows(structure, batch)
+                check_split(rows, self._strategy.num_replicas_in_sync, self._strategy)
+            if structure != self._structure:  # another nesting of tensors: trace again
+                if self._structure is not None:
                     self._build()
-                self._evals.structure, self._evals.size = eval_structure, len(tail)
-            self._evals.probe(tail)  # eval_fn traces and returns scalars, before anything runs
-        if _learning_rate_of(self.optimizer) is not self._learning_rate:
-            # `optimizer.learning_rate = schedule` (or a callable) replaces the variable the
-            # programs read: trace them again (assigning a float writes into the variable).
-            self._learning_rate = _learning_rate_of(self.optimizer)
-            self._build()
-        found = self._probe(batch)
-        if self.jit_compile:
-            avoid_xla(self, found)
-        if self.opts.mode == "stepwise":
-            return self._call_stepwise(batch, n, start, tail)
-        if undecided(self):
-            choose(self, batch, tail)
-        self._callback_error, self._notified_step = None, None
-        # Python's Ctrl-C handler runs in the main thread only, which is inside the call
-        # until it returns (callbacks run on TF's threads): it could land between the
-        # variables' update and `self.step`'s, so hold it until both are done.
-        with deferred_interrupts(), Notifier(self.opts, start, n, label="stepfuse.tf") as notifier:
-            self._notifier = notifier
-            if self._published is not None:
-                notifier.watch(self._published.numpy)
-            try:
-                losses, applied, stop, last, evals = self._run(n, start, batch, tail)
-            except tf.errors.OpError as e:
-                err = self._callback_error
-                if err is not None:  # the user's callback raised: hand it back as is
-                    if self._notified_step is not None:
-                        self.step = self._notified_step
-                    raise err from None
-                if not self.jit_compile:  # an op failed mid-call (a check, a label)
-                    applied = self._iterations.numpy() - self._iterations_before.numpy()
-                    self.step = start + int(applied)
-                    e.add_note(
-                        f"stepfuse.tf: the call applied {self.step - start} step(s) before "
-                        f"the one that failed, which changed nothing; fit.step is {self.step}."
-                    )
-                raise
-            finally:
-                self._notifier = None
-            notifier.done(applied, None if last is None else float(last))
-            self.step = start + int(applied)
-        trace = host_trace(losses, int(applied), int(stop), self.opts.record_every, evals)
-        self._streams.check_exhausted(trace, start, self.opts.record_every)
-        return finish(trace, self.opts, start)
+                self._structure = structure
+                self._probes.clear()
+            tail: tuple = ()
+            if self._evals is not None:
+                tail, eval_structure = self._evals.flatten(eval_args, start)
+                if eval_structure != self._evals.structure or len(tail) != self._evals.size:
+                    if self._evals.structure is not None:
+                        self._build()
+                    self._evals.structure, self._evals.size = eval_structure, len(tail)
+                self._evals.probe(tail)  # eval_fn traces and returns scalars, before anything runs
+            if _learning_rate_of(self.optimizer) is not self._learning_rate:
+                # `optimizer.learning_rate = schedule` (or a callable) replaces the variable the
+                # programs read: trace them again (assigning a float writes into the variable).
+                self._learning_rate = _learning_rate_of(self.optimizer)
+                self._build()
+            found = self._probe(batch)
+            if self.jit_compile:
+                avoid_xla(self, found)
+            if self.opts.mode == "stepwise":
+                return self._call_stepwise(batch, n, start, tail)
+            if undecided(self):
+                choose(self, batch, tail)
+            self._callback_error, self._notified_step = None, None
+            # Python's Ctrl-C handler runs in the main thread only, which is inside the call
+            # until it returns (callbacks run on TF's threads): it could land between the
+            # variables' update and `self.step`'s, so hold it until both are done.
+            with (
+                deferred_interrupts(),
+                Notifier(self.opts, start, n, label="stepfuse.tf") as notifier,
+            ):
+                self._notifier = notifier
+                if self._published is not None:
+                    notifier.watch(self._published.numpy)
+                try:
+                    losses, applied, stop, last, evals = self._run(n, start, batch, tail)
+                except tf.errors.OpError as e:
+                    err = self._callback_error
+                    if err is not None:  # the user's callback raised: hand it back as is
+                        if self._notified_step is not None:
+                            self.step = self._notified_step
+                        raise err from None
+                    if not self.jit_compile:  # an op failed mid-call (a check, a label)
+                        applied = self._iterations.numpy() - self._iterations_before.numpy()
+                        self.step = start + int(applied)
+                        e.add_note(
+                            f"stepfuse.tf: the call applied {self.step - start} step(s) before "
+                            f"the one that failed, which changed nothing; fit.step is {self.step}."
+                        )
+                    raise
+                finally:
+                    self._notifier = None
+                notifier.done(applied, None if last is None else float(last))
+                self.step = start + int(applied)
+            trace = host_trace(losses, int(applied), int(stop), self.opts.record_every, evals)
+            self._streams.check_exhausted(trace, start, self.opts.record_every)
+            return finish(trace, self.opts, start)
 
     def _run(self, n, start, batch, tail):
         """The call's program: ``(losses as numpy, applied, stop, last loss, evaluations)``;

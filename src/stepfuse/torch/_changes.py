@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._core import user_stacklevel
+
 __all__ = [
     "check_modules_unchanged",
     "compiled_module_reason",
@@ -53,7 +55,7 @@ def numbers_changed(subs: Any, before: tuple, now: tuple) -> None:
             "changes every call pays a compile every call (keep it in a buffer, or use "
             "mode='stepwise').",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
 
 

@@ -46,6 +46,7 @@ from .._core import (
     named_evals,
     next_multiple,
     run_stepwise,
+    user_stacklevel,
 )
 from .._core.options import shared_doc
 from . import _changes, _cuda, _data, _eager, _eval, _plan, _program, _ranks
@@ -276,7 +277,7 @@ class Fit:
                 "schedule that changes them every call pays a compile every call; mode='stepwise' "
                 "compiles nothing.",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
         params = [p.detach() for p in self._train]
         states = self._state.tensors(placeholder=True)
@@ -322,7 +323,6 @@ class Fit:
 
     # -- one call ----------------------------------------------------------------------------
 
-    @exclusive
     @_ranks.collective
     def __call__(self, *batch: Any, steps: int | None = None, eval_batch: Any = None) -> Trace:
         """Run ``steps`` (default: the ``steps`` given to `fuse`) updates on ``batch``.
@@ -337,37 +337,38 @@ class Fit:
           The call's `stepfuse.Trace` (losses before each update, updates applied, stop;
           ``trace.eval``: the evaluations, with ``eval_fn``).
         """
-        n = check_call_steps(steps, self.opts, capped=False)
-        _eval.check_call(self._evals, eval_batch)  # eval_fn runs once per eval_batch signature
-        check_params_unchanged(self.optimizer, self._params)
-        if self.mode == "fused":
-            _changes.check_modules_unchanged(self._resolved, self._params)
-        self._fed = _data.Fed(batch, self._params[0].device, self.step, n)  # checks the streams
-        self._read_trainable()
-        grads_before = [p.grad for p in self._params]
-        if self.mode == "fused":
-            reason = hooks_reason(self.optimizer, self._params, self._modules)
-            if reason is not None:
-                self._fall_back(f"{reason}; pass mode='stepwise' to silence this warning.")
-        self._probe(self._fed.at(0))  # a step's own arguments (the first minibatch)
-        _ranks.agree_setup(self, n)  # several ranks: the same call on each (`_ranks`)
-        start = self.step
-        if self.mode == "fused":
-            self._ensure_program()
-        _ranks.agree_mode(self)
-        # A fit whose loss draws runs a call fused once its program drew as eagerly.
-        eager = self.mode == "stepwise" or not draws_verified(self, self._fed.at(0))
-        eager = _ranks.agree_eager(self, eager)
-        # No snapshot to restore after an error: params, state and `step` change together
-        # (`_commit`, after a program call); a failed step is undone where it ran.
-        try:
-            trace = self._call_stepwise(n, start) if eager else self._call_fused(n, start)
-        finally:
-            for p, g in zip(self._params, grads_before):
-                p.grad = g
-            if self.step > start:  # what optimizer.step() tells an lr scheduler watching it
-                self.optimizer._opt_called = True  # type: ignore[attr-defined]
-        return finish(trace, self.opts, start)
+        with exclusive(self):  # one call at a time
+            n = check_call_steps(steps, self.opts, capped=False)
+            _eval.check_call(self._evals, eval_batch)  # eval_fn runs once per eval_batch signature
+            check_params_unchanged(self.optimizer, self._params)
+            if self.mode == "fused":
+                _changes.check_modules_unchanged(self._resolved, self._params)
+            self._fed = _data.Fed(batch, self._params[0].device, self.step, n)  # checks the streams
+            self._read_trainable()
+            grads_before = [p.grad for p in self._params]
+            if self.mode == "fused":
+                reason = hooks_reason(self.optimizer, self._params, self._modules)
+                if reason is not None:
+                    self._fall_back(f"{reason}; pass mode='stepwise' to silence this warning.")
+            self._probe(self._fed.at(0))  # a step's own arguments (the first minibatch)
+            _ranks.agree_setup(self, n)  # several ranks: the same call on each (`_ranks`)
+            start = self.step
+            if self.mode == "fused":
+                self._ensure_program()
+            _ranks.agree_mode(self)
+            # A fit whose loss draws runs a call fused once its program drew as eagerly.
+            eager = self.mode == "stepwise" or not draws_verified(self, self._fed.at(0))
+            eager = _ranks.agree_eager(self, eager)
+            # No snapshot to restore after an error: params, state and `step` change together
+            # (`_commit`, after a program call); a failed step is undone where it ran.
+            try:
+                trace = self._call_stepwise(n, start) if eager else self._call_fused(n, start)
+            finally:
+                for p, g in zip(self._params, grads_before):
+                    p.grad = g
+                if self.step > start:  # what optimizer.step() tells an lr scheduler watching it
+                    self.optimizer._opt_called = True  # type: ignore[attr-defined]
+            return finish(trace, self.opts, start)
 
     def _probe(self, batch: tuple) -> None:
         """Check ``loss_fn`` on this batch once per batch signature (changes nothing); the
