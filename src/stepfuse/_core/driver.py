@@ -61,13 +61,16 @@ class exclusive:  # noqa: N801 - used as a function: ``with exclusive(fit):``
     step count in turns."""
 
     def __init__(self, fit: Any):
-        self.lock = fit.__dict__.setdefault("_call_lock", threading.Lock())
-        self.backend = type(fit).__module__.rsplit("._", 1)[0]
+        self.fit = fit
+        self.lock = fit.__dict__.get("_call_lock") or fit.__dict__.setdefault(
+            "_call_lock", threading.Lock()
+        )
 
     def __enter__(self) -> None:
         if not self.lock.acquire(blocking=False):
+            backend = type(self.fit).__module__.rsplit("._", 1)[0]
             raise RuntimeError(
-                f"{self.backend}: this fit is already running a call (from another thread, "
+                f"{backend}: this fit is already running a call (from another thread, "
                 "or from its own callback); a fit runs one call at a time. Wait for it to "
                 "return, or build another fit (with its own model and optimizer) for "
                 "parallel work. Nothing was run or changed."

@@ -11,11 +11,10 @@ on the same program: compile time does not grow with ``steps``.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import types
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -491,37 +490,36 @@ def run_program(
     base = ceil_div(i0, record_every)
     # Without autograd around it: parameters the optimizer does not hold may require grad,
     # and the loop must not be recorded for a backward (torch.func.grad still works inside).
-    with torch.no_grad(), _index_errors_named():
-        if program.direct is not None:  # the compiled code, called directly
-            return program(n, i0, base, prev, nslots, params, states, buffers, batch)
-        # Through torch.compile (tracing on the first call): recurrent layers made
-        # traceable, dropout drawing the plain loop's masks (`stepfuse.torch._draws`).
-        with traceable(rnn), exact_draws(), warnings.catch_warnings():
-            # torch's own (a module inductor imports): a user's -W error must not stop fusion
-            warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\b")
-            return program(n, i0, base, prev, nslots, params, states, buffers, batch)
+    try:
+        with torch.no_grad():
+            if program.direct is not None:  # the compiled code, called directly
+                return program(n, i0, base, prev, nslots, params, states, buffers, batch)
+            # Through torch.compile (tracing on the first call): recurrent layers made
+            # traceable, dropout drawing the plain loop's masks (`stepfuse.torch._draws`).
+            with traceable(rnn), exact_draws(), warnings.catch_warnings():
+                # torch's own (inductor imports it): a user's -W error must not stop fusion
+                warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\b")
+                return program(n, i0, base, prev, nslots, params, states, buffers, batch)
+    except RuntimeError as e:
+        if "index out of bounds" not in str(e):
+            raise
+        raise _index_error(e) from e
 
 
-@contextlib.contextmanager
-def _index_errors_named() -> Iterator[None]:
+def _index_error(e: RuntimeError) -> BatchError:
     """A compiled kernel's bounds check as a `BatchError`: the probe checks a batch
     signature's first batch only, so a later batch's label out of range fails inside the
     program (inductor's "index out of bounds" in its generated code). The program's results
     are written back after it returns, so nothing has changed."""
-    try:
-        yield
-    except RuntimeError as e:
-        if "index out of bounds" not in str(e):
-            raise
-        text = " ".join(str(e).split())
-        cause = text[text.index("index out of bounds") :][:200]
-        raise BatchError(
-            "`batch` holds an index out of range: the fused program's bounds check failed "
-            f"({cause}). A class label >= the number of classes or a token id >= an "
-            "embedding's size does this (eager torch raises IndexError there); check the "
-            "batch, e.g. assert int(y.max()) < classes. Nothing was changed (the parameters, "
-            "the optimizer and fit.step are as before the call)."
-        ) from e
+    text = " ".join(str(e).split())
+    cause = text[text.index("index out of bounds") :][:200]
+    return BatchError(
+        "`batch` holds an index out of range: the fused program's bounds check failed "
+        f"({cause}). A class label >= the number of classes or a token id >= an "
+        "embedding's size does this (eager torch raises IndexError there); check the "
+        "batch, e.g. assert int(y.max()) < classes. Nothing was changed (the parameters, "
+        "the optimizer and fit.step are as before the call)."
+    )
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
