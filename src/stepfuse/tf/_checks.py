@@ -199,18 +199,23 @@ def _check_loss(loss: Any, loss_fn: Any) -> Any:
     return t
 
 
-def _random_ops(graph_def: Any) -> tuple[str, ...]:
-    """The random-number op types in a graph and its functions (loop bodies, branches).
+def _op_types(graph_def: Any) -> set[str]:
+    """The op types of a graph and of its functions (loop bodies, branches)."""
+    nodes = list(graph_def.node)
+    for function in graph_def.library.function:
+        nodes += function.node_def
+    return {n.op for n in nodes}
+
+
+def _random_ops(op_types: Any) -> tuple[str, ...]:
+    """The random-number op types among ``op_types`` (`_op_types`).
 
     XLA implements TensorFlow's random ops with its own generators: the same seed draws
     other numbers than TensorFlow's kernels do, eagerly or in a plain ``tf.function``
     (a Keras Dropout layer draws a different mask), so an XLA loop would drift from the
     plain training loop from its first step."""
-    nodes = list(graph_def.node)
-    for function in graph_def.library.function:
-        nodes += function.node_def
     marks = ("Random", "Rng", "Multinomial", "TruncatedNormal", "Shuffle")
-    return tuple(sorted({n.op for n in nodes if any(m in n.op for m in marks)}))
+    return tuple(sorted(t for t in op_types if any(m in t for m in marks)))
 
 
 def _check_known(optimizer: Any, variables: Any) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import tensorflow as tf
 
 from .._core import Described
-from ._checks import _fail, _random_ops
+from ._checks import _fail, _op_types, _random_ops
 
 try:  # which resources an op writes (nested functions' call ops included)
     from tensorflow.python.framework import auto_control_deps_utils as _acd
@@ -79,15 +79,12 @@ def probe(fit: Any, batch: Any) -> Probe:
             "model.trainable_variables) to fuse.",
         )
     loss = concrete.structured_outputs
-    graph_def = concrete.graph.as_graph_def()
-    nodes = list(graph_def.node)
-    for function in graph_def.library.function:
-        nodes += function.node_def
+    op_types = _op_types(concrete.graph.as_graph_def())
     written, random_states = variables_written(concrete.graph)
     return Probe(
         dtype=tf.float64 if loss.dtype.base_dtype == tf.float64 else tf.float32,
-        random_ops=_random_ops(graph_def),
-        asserts=tuple(sorted({n.op for n in nodes if n.op == "Assert"})),
+        random_ops=_random_ops(op_types),
+        asserts=("Assert",) if "Assert" in op_types else (),
         strings=any(
             t.dtype == tf.string for op in concrete.graph.get_operations() for t in op.outputs
         ),

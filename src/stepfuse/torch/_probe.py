@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._core import Described, fail
-from ._changes import compiled_module_reason
+from ._changes import compiled_module_reason, watched
 from ._rules import HANDLED, IGNORED_GROUP_KEYS, SUPPORTED_OPTIMIZERS, Rule, refusal
 from ._state import Held, put_back
 
@@ -234,10 +234,9 @@ def hold_buffers(modules: Sequence[nn.Module]) -> Held:
     forward pass changes: the probe and a refused step put them back (`Held`)."""
     buffers = {id(b): b for m in modules for b in m.buffers()}
     held = Held((b, b.detach().clone()) for b in buffers.values())
-    subs = {id(sub): sub for m in modules for sub in m.modules()}.values()
-    for sub in subs:
-        plain = {k: v for k, v in vars(sub).items() if type(v) in (int, float, bool)}
-        held.modules.append((sub, dict(sub._buffers), plain))
+    for sub, names in watched(modules):  # each submodule and its Python number attributes
+        numbers = {k: sub.__dict__[k] for k in names}
+        held.modules.append((sub, dict(sub._buffers), numbers))
     return held
 
 
