@@ -250,3 +250,18 @@ def test_rows_of_keys_inverts_epoch_keys(rows: int, seed: int, epoch: int) -> No
     np.testing.assert_array_equal(back, np.arange(rows))
     data = sf.Epochs(np.zeros((rows, 1)), batch_size=1, seed=seed)
     np.testing.assert_array_equal(order, data.order(epoch))
+
+
+def test_messages_name_what_is_wrong() -> None:
+    """A negative step names `step` (not the epoch it maps to); an empty dataset says so;
+    a Batches of no minibatches is not told to run steps=0; type names take their article."""
+    data = sf.Epochs(np.zeros((8, 2)), batch_size=4)
+    for bad in (lambda: data.indices(-1), lambda: data.batch(-3)):
+        with pytest.raises(ValueError, match=r"^`step` must be an int >= 0; got -"):
+            bad()
+    with pytest.raises(ValueError, match=r"at least one row; got arrays of 0 rows"):
+        sf.Epochs(np.zeros((0, 2)), batch_size=1)
+    with pytest.raises(ValueError, match=r"holds 0 minibatches .* steps\. Stack 3 minibatches\.$"):
+        feed_of([sf.Batches(np.zeros((0, 2)))]).check_steps(3)
+    with pytest.raises(ValueError, match=r"batch 1 is an int, batch 0 was a tuple of 1"):
+        sf.Batches.from_iterable([(np.zeros(2),), 5], 2)

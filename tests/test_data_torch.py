@@ -435,6 +435,26 @@ def test_stepwise_batches_beside_a_fixed_argument_and_two_epochs():
     assert_same(model, ref_m)
 
 
+def test_epochs_copies_a_numpy_dataset_once_as_jax_and_tf_do():
+    """An `Epochs` of NumPy arrays is copied to the device at the first call: changing the
+    arrays in place afterwards changes nothing the fit sees (it shared their memory on the
+    CPU, so torch alone trained on the changed values)."""
+    x, w, model = _teacher_problem()
+    xn = x.numpy().copy()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    ref_m, ref_o = replica(model, opt)
+    fit = sft.fuse(lambda xb, wb: mse(model, xb, wb), opt, steps=3, mode="stepwise")
+    data = sf.Epochs(xn, batch_size=8, seed=2)
+    kept = xn.copy()
+    fit(data, w)
+    xn *= 10.0
+    trace = fit(data, w)
+    batches = [(torch.from_numpy(kept[data.indices(t)]), w) for t in range(6)]
+    want, *_ = plain(ref_m, ref_o, mse, batches)
+    np.testing.assert_allclose(trace.loss, want[3:], rtol=RTOL, atol=ATOL)
+    assert_same(model, ref_m)
+
+
 # -- slow: more programs ----------------------------------------------------------------------
 
 
@@ -490,9 +510,11 @@ def test_fused_batches_beside_a_fixed_argument_and_two_epochs():
 def test_benchmark_script_runs(benchmark_script, monkeypatch):
     script = benchmark_script("data_torch")
     monkeypatch.setitem(sys.modules, "data_torch", script)  # dynamo imports the loss's module
+    from stepfuse.bench import data
+
     rows = script.main(
-        ["--problems", "small", "--steps", "64", "--eager-steps", "16", "--repeats", "1"]
+        ["--problems", "small", "--steps", "64", "--loop-steps", "16", "--rounds", "1"]
     )
-    assert [r["contender"] for r in rows] == ["stepfuse Epochs", "eager DataLoader"]
+    assert [r["contender"] for r in rows] == list(data.CONTENDERS["torch"])
     assert rows[0]["mode"] == "fused"
     assert all(r["us_per_step"] > 0 for r in rows)

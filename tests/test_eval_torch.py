@@ -367,3 +367,44 @@ def test_guide_example_runs() -> None:
     trace = scope["trace"]
     assert scope["fit"].mode == "fused"
     assert len(trace.eval) > 0 and np.all(np.isfinite(trace.eval["loss"]))
+
+
+def test_convolution_model_with_eval_fn_runs_fused_and_equals_the_plain_loop() -> None:
+    """A Conv2d model with ``eval_fn``: inductor's channels-last layout inside the
+    evaluation's ``torch.cond`` failed its own stride check when the program ran (torch 2.13);
+    the program is now compiled without layout optimization, and equals the plain loop."""
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.Flatten(), nn.Linear(64, 3))
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(6, 1, 4, 4, generator=g), torch.randint(0, 3, (6,), generator=g)
+    xv, yv = torch.randn(5, 1, 4, 4, generator=g), torch.randint(0, 3, (5,), generator=g)
+    ce = torch.nn.functional.cross_entropy
+    model, plain = net(), net()
+    fit = sft.fuse(
+        lambda a, b: ce(model(a), b),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        steps=4,
+        model=model,
+        eval_fn=lambda a, b: ce(model(a), b),
+        eval_every=2,
+    )
+    trace = fit(x, y, eval_batch=(xv, yv))
+    assert fit.mode == "fused", fit.fallback_reason
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    losses, evals = [], []
+    for t in range(4):
+        opt.zero_grad()
+        loss = ce(plain(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if (t + 1) % 2 == 0:
+            with torch.no_grad():
+                evals.append(ce(plain(xv), yv).item())
+    np.testing.assert_allclose(trace.loss, losses, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(trace.eval.value, evals, rtol=RTOL, atol=ATOL)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        np.testing.assert_allclose(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)

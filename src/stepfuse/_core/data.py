@@ -15,11 +15,9 @@ Each stream expands to as many arguments of ``loss_fn`` as it holds arrays, in p
 ``fit(Batches(xs), y)`` calls ``loss_fn(xs[i], y)`` at step ``i``.
 
 The epoch's order is defined by integer arithmetic every framework does exactly
-(`epoch_keys`, over `IntOps`): 32-bit words kept in a wider integer type or an unsigned
-32-bit one, mixed by the 32-bit finaliser of MurmurHash3, a bijection, so the keys of
-one epoch are distinct and their ``argsort`` is one permutation, on the host
-(`Epochs.order`) and on every device. The backends gather the rows inside their loops
-(`Feed`); this module holds what does not depend on a framework.
+(`stepfuse._core.shuffle`, re-exported here), on the host (`Epochs.order`) and on every
+device. The backends gather the rows inside their loops (`Feed`); this module holds what
+does not depend on a framework.
 """
 
 from __future__ import annotations
@@ -28,11 +26,12 @@ import dataclasses
 import itertools
 import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from .options import Described, fail
+from .options import Described, a_type, fail
+from .shuffle import NUMPY_INTS, FunctionInts, IntOps, epoch_keys, rows_of_keys
 
 __all__ = [
     "Batches",
@@ -44,97 +43,8 @@ __all__ = [
     "Slot",
     "epoch_keys",
     "feed_of",
+    "rows_of_keys",
 ]
-
-_M32 = 0xFFFFFFFF
-
-
-class IntOps(Protocol):
-    """The integer functions `epoch_keys` needs (``+`` and ``*`` are operators)."""
-
-    def xor(self, a: Any, b: Any) -> Any: ...
-
-    def band(self, a: Any, b: Any) -> Any: ...
-
-    def shr(self, a: Any, k: int) -> Any: ...
-
-    def shl(self, a: Any, k: int) -> Any: ...
-
-    def const(self, c: int) -> Any:
-        """The 32-bit constant ``c`` in the backend's type (a Python int where it mixes)."""
-        ...
-
-
-@dataclasses.dataclass(frozen=True)
-class FunctionInts:
-    """An `IntOps` made of a framework's functions (each backend builds one, with its own)."""
-
-    xor: Callable[[Any, Any], Any]
-    band: Callable[[Any, Any], Any]
-    shr: Callable[[Any, int], Any]
-    shl: Callable[[Any, int], Any]
-    const: Callable[[int], Any]
-
-
-NUMPY_INTS: IntOps = FunctionInts(
-    np.bitwise_xor, np.bitwise_and, np.right_shift, np.left_shift, np.int64
-)
-"""`IntOps` over NumPy ``int64`` arrays (the host's `Epochs.order`)."""
-
-
-def _mul32(ops: IntOps, x: Any, c: int) -> Any:
-    """``x * c mod 2**32`` for a 32-bit ``x`` and constant ``c``, in halves of ``c``: no
-    intermediate exceeds 2**49 in a 64-bit type, and an unsigned 32-bit type wraps."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return ops.band(x * lo + ops.shl(ops.band(x * hi, 0xFFFF), 16), ops.const(_M32))
-
-
-def _fmix32(ops: IntOps, h: Any) -> Any:
-    """MurmurHash3's 32-bit finaliser: a bijection of 32-bit words."""
-    h = ops.xor(h, ops.shr(h, 16))
-    h = _mul32(ops, h, 0x85EBCA6B)  # (constants below 2**16 are ints of every type)
-    h = ops.xor(h, ops.shr(h, 13))
-    h = _mul32(ops, h, 0xC2B2AE35)
-    return ops.xor(h, ops.shr(h, 16))
-
-
-def _unfmix32(ops: IntOps, h: Any) -> Any:
-    """The inverse of `_fmix32` (each step undone in reverse order: ``h ^ (h >> 16)`` is
-    its own inverse, ``h ^ (h >> 13)`` is undone by ``^ (h >> 13) ^ (h >> 26)``, and a
-    product by an odd constant by the product by its inverse modulo 2**32)."""
-    h = ops.xor(h, ops.shr(h, 16))
-    h = _mul32(ops, h, pow(0xC2B2AE35, -1, 2**32))
-    h = ops.xor(ops.xor(h, ops.shr(h, 13)), ops.shr(h, 26))
-    h = _mul32(ops, h, pow(0x85EBCA6B, -1, 2**32))
-    return ops.xor(h, ops.shr(h, 16))
-
-
-def _epoch_offset(ops: IntOps, epoch: Any, seed: int) -> Any:
-    """The epoch's ``c`` of `epoch_keys`."""
-    k = ops.const
-    s0, s1 = k(seed & _M32), k((seed >> 32) & _M32)
-    c = _fmix32(ops, ops.band(ops.xor(epoch, s1) + k(0x9E3779B9), k(_M32)))
-    return _fmix32(ops, ops.band(ops.xor(c, s0) + k(0x7F4A7C15), k(_M32)))
-
-
-def rows_of_keys(ops: IntOps, epoch: Any, keys: Any, seed: int) -> Any:
-    """The rows whose `epoch_keys` are ``keys`` (the inverse of `epoch_keys`): on the keys
-    sorted, the epoch's order. A sort of the keys alone is much cheaper than an
-    ``argsort`` on some backends (XLA:CPU in JAX: 0.24 against 1.6 ms for 8,192 rows)."""
-    c = _epoch_offset(ops, epoch, seed)
-    return ops.band(_unfmix32(ops, keys) + (ops.const(_M32) - c) + ops.const(1), ops.const(_M32))
-
-
-def epoch_keys(ops: IntOps, epoch: Any, rows: Any, seed: int) -> Any:
-    """The sort keys of an epoch's rows: ``argsort(epoch_keys(...))`` is the epoch's order.
-
-    ``epoch``: a non-negative integer (scalar) of the backend's integer type; ``rows``:
-    ``0 .. n - 1`` in that type (an unsigned 32-bit type, or a signed one of 64 bits).
-    The keys are distinct (a bijection of ``rows + c`` for one ``c`` per epoch), so any
-    sort, stable or not, gives the same permutation.
-    """
-    c = _epoch_offset(ops, epoch, seed)
-    return _fmix32(ops, ops.band(rows + c, ops.const(_M32)))
 
 
 def _is_array(a: Any) -> bool:
@@ -169,7 +79,7 @@ def _check_arrays(cls: str, arrays: Sequence[Any], what: str, unknown: bool = Fa
             fail(
                 ValueError,
                 f"{cls}(*arrays)[{j}]",
-                a if isinstance(a, (int, float, str)) else Described(f"a {type(a).__name__}", a),
+                a if isinstance(a, (int, float, str)) else Described(a_type(a), a),
                 "an array (NumPy, JAX, TensorFlow or torch) with a leading axis",
                 (
                     f"Pass its arrays in the order loss_fn takes them, e.g. {cls}(d['x'], d['y']), "
@@ -283,7 +193,7 @@ class Batches:
             fail(
                 TypeError,
                 "iterable",
-                Described(f"a {type(iterable).__name__}", iterable),
+                Described(a_type(iterable), iterable),
                 "an iterable of batches (a DataLoader, a generator, a list)",
                 "Pass an object you can iterate over, e.g. a torch DataLoader.",
             )
@@ -303,7 +213,7 @@ class Batches:
                     fail(
                         ValueError,
                         f"iterable (batch {k}, {label})",
-                        Described(f"a {type(p).__name__}", p),
+                        Described(a_type(p), p),
                         "an array",
                         "Yield arrays (or tuples or dicts of arrays) from the iterable.",
                     )
@@ -325,8 +235,8 @@ def _structure(item: Any) -> str:
     if isinstance(item, Mapping):
         return f"a dict with keys {sorted(map(str, item))}"
     if isinstance(item, (tuple, list)):
-        return f"a {type(item).__name__} of {len(item)}"
-    return "one array" if _is_array(item) else f"a {type(item).__name__}"
+        return f"{a_type(item)} of {len(item)}"
+    return "one array" if _is_array(item) else a_type(item)
 
 
 def _rows(items: list[Any]) -> tuple[list[tuple[Any, ...]], list[str]]:
@@ -420,6 +330,14 @@ class Epochs:
                 "an int >= 1",
                 "Pass the rows per minibatch, e.g. batch_size=128.",
             )
+        if rows == 0:
+            fail(
+                ValueError,
+                "Epochs(*arrays)",
+                Described("arrays of 0 rows", arrays[0]),
+                "a dataset of at least one row",
+                "Pass arrays of at least batch_size rows.",
+            )
         if not 1 <= batch_size <= rows:
             fail(
                 ValueError,
@@ -451,8 +369,7 @@ class Epochs:
     def order(self, epoch: int) -> np.ndarray:
         """The row order of epoch ``epoch`` (``0, 1, ...``), as an int64 NumPy array: the
         identity without ``shuffle``. The loop of every backend uses exactly this order."""
-        if not (isinstance(epoch, numbers.Integral) and not isinstance(epoch, bool)) or epoch < 0:
-            fail(ValueError, "epoch", epoch, "an int >= 0", "Pass an epoch number, e.g. 0.")
+        _check_count(epoch, "epoch", "Pass an epoch number, e.g. 0.")
         if not self.shuffle:
             return np.arange(self.rows, dtype=np.int64)
         with np.errstate(over="ignore"):
@@ -465,6 +382,7 @@ class Epochs:
 
     def indices(self, step: int) -> np.ndarray:
         """The rows of global step ``step``'s minibatch (int64, ``batch_size`` of them)."""
+        _check_count(step, "step", "Pass a global step of the fit, e.g. 0 (the first).")
         epoch, at = divmod(int(step), self.steps_per_epoch)
         return self.order(epoch)[at * self.batch_size : (at + 1) * self.batch_size]
 
@@ -486,6 +404,12 @@ class Epochs:
             f"Epochs(rows={self.rows}, batch_size={self.batch_size}, shuffle={self.shuffle}, "
             f"seed={self.seed}, steps_per_epoch={self.steps_per_epoch})"
         )
+
+
+def _check_count(value: Any, name: str, fix: str) -> None:
+    """A ValueError naming ``name`` unless ``value`` is an int >= 0."""
+    if not (isinstance(value, numbers.Integral) and not isinstance(value, bool)) or value < 0:
+        fail(ValueError, name, value, "an int >= 0", fix)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -537,8 +461,9 @@ class Feed:
         if self.batches is not None and self.batches < n:
             raise ValueError(
                 f"`Batches` holds {self.batches} minibatches but the call runs {n} steps: "
-                f"its leading axis must be at least the call's steps. Pass steps={self.batches} "
-                f"to the call, or stack {n} minibatches."
+                "its leading axis must be at least the call's steps. "
+                + (f"Pass steps={self.batches} to the call, or s" if self.batches else "S")
+                + f"tack {n} minibatches."
             )
 
     def spans(self) -> list[tuple[Slot, tuple[Any, ...]]]:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .options import Described, fail
+from .options import Described, a_type, fail
 
 if TYPE_CHECKING:
     from .trace import Trace
@@ -131,7 +131,7 @@ def check_eval_batch(eval_batch: Any, eval_fn: Callable | None) -> tuple:
         fail(
             ValueError,
             "eval_batch",
-            Described(f"a {type(eval_batch).__name__}", eval_batch),
+            Described(a_type(eval_batch), eval_batch),
             "passed only to a fit built with `eval_fn`",
             "Build with fuse(..., eval_fn=..., eval_every=...) to evaluate inside the loop.",
         )

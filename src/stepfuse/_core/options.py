@@ -17,6 +17,7 @@ from .trace import ceil_div
 
 __all__ = [
     "Options",
+    "a_type",
     "check_options",
     "check_call_steps",
     "check_int",
@@ -81,6 +82,12 @@ class Described:
 
     def __init__(self, text: str, value: Any):
         self.text, self.kind = text, type(value).__name__
+
+
+def a_type(value: Any) -> str:
+    """``value``'s type name with its article: "a list", "an int"."""
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 def fail(exc: type[BaseException], name: str, value: Any, want: str, fix: str) -> NoReturn:

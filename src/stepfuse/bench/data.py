@@ -21,7 +21,11 @@ Contenders, per backend (each trains on every step's own minibatch, reshuffled e
   ``tf.while_loop`` over its minibatches (``tf.gather`` of the rows), inside one XLA
   ``tf.function`` (whole epochs, the last loss returned).
 * torch: ``stepfuse``; ``eager DataLoader``: the eager loop over a shuffling
-  ``DataLoader(TensorDataset(x, y), batch_size=B, shuffle=True, drop_last=True)``.
+  ``DataLoader(TensorDataset(x, y), batch_size=B, shuffle=True, drop_last=True)``; ``eager
+  (resident rows)``: the eager loop taking each minibatch by indexing the resident tensors
+  with a ``torch.randperm`` drawn each epoch (no DataLoader); ``torch.compile step``: the
+  same loop with the model and ``opt.step`` each compiled by ``torch.compile``, as torch's
+  tutorial on compiling the optimizer writes it.
 
 The side-by-side scripts ``benchmarks/data_*.py`` time the same contenders at the issue's
 2,048 steps.
@@ -50,7 +54,7 @@ CONTENDERS = {
         "keras fit (spe=100, jit)",
         "tf.function step",
     ),
-    "torch": ("stepfuse", "eager DataLoader"),
+    "torch": ("stepfuse", "eager DataLoader", "eager (resident rows)", "torch.compile step"),
 }
 
 Builders = dict[str, Callable[[], Callable[[int], object]]]
@@ -343,4 +347,36 @@ def _torch(size: str, n: int) -> tuple[Builders, dict[str, int]]:
 
         return run
 
-    return {"stepfuse": stepfuse, "eager DataLoader": eager}, {"eager DataLoader": min(n, 512)}
+    def resident(compiled: bool):
+        def build():
+            m = model()
+            opt = torch.optim.Adam(m.parameters(), lr=LR)
+            g = torch.Generator().manual_seed(0)
+            forward = torch.compile(m) if compiled else m
+            update = torch.compile(opt.step) if compiled else opt.step
+            spe = len(x) // bs
+
+            def run(steps):
+                loss = None
+                for t in range(steps):
+                    if t % spe == 0:
+                        perm = torch.randperm(len(x), generator=g)
+                    rows = perm[(t % spe) * bs : (t % spe + 1) * bs]
+                    opt.zero_grad()
+                    loss = F.cross_entropy(forward(x[rows]), y[rows])
+                    loss.backward()
+                    update()
+                return float(loss.detach())  # type: ignore[union-attr]
+
+            return run
+
+        return build
+
+    few = min(n, 512)
+    builders = {
+        "stepfuse": stepfuse,
+        "eager DataLoader": eager,
+        "eager (resident rows)": resident(False),
+        "torch.compile step": resident(True),
+    }
+    return builders, {k: few for k in builders if k != "stepfuse"}

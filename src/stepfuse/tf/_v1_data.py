@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from .._core.data import Batches, Epochs, epoch_keys
-from .._core.options import Described
+from .._core.options import Described, a_type
 from ._checks import _fail
 from ._data import _INTS
 
@@ -114,7 +114,7 @@ class V1Data:
             _fail(
                 TypeError,
                 "data",
-                Described(f"a {type(data).__name__}", data),
+                Described(a_type(data), data),
                 "None, a stepfuse.Batches of graph tensors (placeholders), e.g. "
                 "sf.Batches(xs_ph, ys_ph) (leading axis None allowed), a tuple of them, or a "
                 "stepfuse.Epochs of NumPy arrays",

@@ -19,7 +19,7 @@ from torch.utils import _pytree
 
 from .._core import ceil_div
 from ._probe import interrupt_inside
-from ._program import CHUNK_OPTIONS, Body, Carry, Result, outcome, traceable
+from ._program import CHUNK_OPTIONS, Body, Carry, Result, options_for, outcome, traceable
 
 __all__ = ["GRAPH_CHUNKS", "build_graphs", "cuda_graphs", "run_graphs"]
 
@@ -99,7 +99,7 @@ def build_graphs(
     args = (s.n, s.i0, s.base, s.batch, s.code, s.applied, *s.carry.flat())
     s.n.fill_(0)  # warm-up runs change nothing
     try:
-        compiled = compile(run_chunk, "chunk", CHUNK_OPTIONS)
+        compiled = compile(run_chunk, "chunk", options_for(spec, CHUNK_OPTIONS))
         with traceable(spec.rnn):
             s.graphs = cuda_graphs(lambda: compiled(*args), dev, (1, GRAPH_CHUNKS))
         s.fused_kernels, s.compile_error = True, None

@@ -68,11 +68,14 @@ def _check_device(a: Any, device: torch.device, name: str) -> None:
         )
 
 
-def _place(a: Any, device: torch.device) -> torch.Tensor:
-    """A stream's array as a tensor on ``device`` (`_check_device` passed)."""
+def _place(a: Any, device: torch.device, copy: bool = False) -> torch.Tensor:
+    """A stream's array as a tensor on ``device`` (`_check_device` passed): a tensor as it
+    is, any other array shared where it can be (a call's `Batches`) or, with ``copy``,
+    copied (an `Epochs` dataset, kept for later calls: as with JAX and TF, a NumPy array
+    changed in place after the first call is not seen, on the CPU as on a GPU)."""
     if isinstance(a, torch.Tensor):
         return a.detach()
-    return torch.as_tensor(np.asarray(a), device=device)
+    return (torch.tensor if copy else torch.as_tensor)(np.asarray(a), device=device)
 
 
 class Fed:
@@ -113,7 +116,8 @@ class Fed:
             if slot.kind == "fixed":
                 arrays.append(source)
             elif isinstance(source, Epochs):
-                arrays.extend(source.placed(("torch", device), put))
+                kept = functools.partial(_place, device=device, copy=True)
+                arrays.extend(source.placed(("torch", device), kept))
                 self._epochs.append((slot, source.rows))
             else:
                 arrays.extend(put(a) for a in source.arrays)

@@ -37,6 +37,7 @@ __all__ = [
     "build_program",
     "clip_grads",
     "compile_fn",
+    "options_for",
     "run_program",
     "traceable",
 ]
@@ -48,6 +49,14 @@ torch's global generator, as in eager mode, rather than from inductor's own seed
 
 CHUNK_OPTIONS: dict[str, Any] = {"fallback_random": True}
 """Inductor options of the CUDA chunk (`stepfuse.torch._cuda`)."""
+
+
+def options_for(spec: Body, base: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with what ``spec``'s program needs: with ``eval_fn``, no layout optimization
+    (inductor's channels-last convolutions inside the evaluation's ``torch.cond`` failed
+    their own stride checks at run time, torch 2.13: a Conv2d model with ``eval_fn``)."""
+    return base if spec.evaluate is None else {**base, "layout_optimization": False}
+
 
 Met = Callable[[Any, Any], Any]
 
@@ -358,7 +367,7 @@ def build_program(
         code, applied = outcome(end.flow, met)
         return Result(code, applied, end)
 
-    return compile(program, "program", INDUCTOR_OPTIONS)
+    return compile(program, "program", options_for(spec, INDUCTOR_OPTIONS))
 
 
 def _leaves(batch: Sequence[Any]) -> list[Any]:
