@@ -347,7 +347,7 @@ def _torch(size: str, n: int) -> tuple[Builders, dict[str, int]]:
 
         return run
 
-    def resident(compiled: bool):
+    def resident(compiled: bool) -> Callable[[], Callable[[int], object]]:
         def build():
             m = model()
             opt = torch.optim.Adam(m.parameters(), lr=LR)
