@@ -287,6 +287,28 @@ def test_a_fed_steps_tensor_is_checked_against_the_fed_stack() -> None:
             assert fit.run(sess, {xs: XS[:4], ys: YS[:4], n: 4}).steps == 4
 
 
+@pytest.mark.parametrize("steps", [4, "tensor"])
+def test_a_bare_train_op_run_checks_the_fed_stack_in_the_graph(steps: Any) -> None:
+    """``sess.run(fused.train_op)`` with fewer (or ragged) stacked minibatches than steps
+    fails in the graph, with nothing changed (it trained on whatever XLA's gather gave)."""
+    with tf.Graph().as_default():
+        vs, loss_fn = _model()
+        xs = tf1.placeholder(tf.float32, (None, 4, 3), name="xs")
+        ys = tf1.placeholder(tf.float32, (None, 4), name="ys")
+        n = tf1.placeholder_with_default(4, []) if steps == "tensor" else steps
+        fit = sf1.fuse(loss_fn, tf1.train.AdamOptimizer(0.05), steps=n, data=sf.Batches(xs, ys))
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            before = sess.run(vs)
+            for feed in ({xs: XS[:3], ys: YS[:3]}, {xs: XS[:5], ys: YS[:4]}):
+                with pytest.raises(tf.errors.InvalidArgumentError, match="at least `steps`"):
+                    sess.run(fit.train_op, feed)
+                for u, v in zip(before, sess.run(vs)):
+                    np.testing.assert_array_equal(u, v)
+            sess.run(fit.train_op, {xs: XS[:4], ys: YS[:4]})
+            assert int(sess.run(fit.steps_taken, {xs: XS[:4], ys: YS[:4]})) == 4
+
+
 def test_batches_of_a_known_length_shorter_than_steps_is_refused_at_build() -> None:
     with tf.Graph().as_default():
         _, loss_fn = _model()

@@ -115,11 +115,12 @@ class V1Data:
                 TypeError,
                 "data",
                 Described(a_type(data), data),
-                "None, a stepfuse.Batches of graph tensors (placeholders), e.g. "
-                "sf.Batches(xs_ph, ys_ph) (leading axis None allowed), a tuple of them, or a "
-                "stepfuse.Epochs of NumPy arrays",
-                "Stack the minibatches along a leading axis and feed them once per run, or "
-                "pass the dataset as sf.Epochs(x, y, batch_size=...).",
+                "None, one stepfuse.Batches of graph tensors (placeholders), e.g. "
+                "sf.Batches(xs_ph, ys_ph) (leading axis None allowed), a tuple of such "
+                "placeholders, or one stepfuse.Epochs of NumPy arrays",
+                "Stack the minibatches along a leading axis and feed them once per run "
+                "through placeholders (one Batches holds them all), or pass the dataset as "
+                "sf.Epochs(x, y, batch_size=...).",
             )
         self.batches = data if isinstance(data, Batches) else Batches(*arrays)
         self.arrays = tuple(arrays)
@@ -214,6 +215,22 @@ class V1Data:
         with tf.control_dependencies(cache):
             rows = tf.gather(order, span)
         return [tf.gather(a, rows) for a in self.arrays]
+
+    def fed_checks(self, n: Any) -> list[Any]:
+        """Graph asserts that stacked minibatches of an unknown leading length hold at least
+        the run's ``n`` steps, all of one length: a bare ``sess.run(fused.train_op)`` is
+        checked too (`check_feed` checks a `Fused.run`'s feed first, on the host)."""
+        if self.batches is None or all(
+            a.shape.rank and a.shape[0] is not None for a in self.arrays
+        ):
+            return []
+        leads = [tf.shape(a, out_type=tf.int32)[0] for a in self.arrays]
+        ok = tf.reduce_all(tf.stack([(d >= n) & tf.equal(d, leads[0]) for d in leads]))
+        text = (
+            "stepfuse.tf.v1: the stacked minibatches fed for `data` must all hold at least "
+            "`steps` minibatches (one per step), and as many each. Leading lengths, then steps:"
+        )
+        return [tf.debugging.Assert(ok, [text, *leads, n])]
 
     def check_feed(self, feed: dict, n: int) -> None:
         """A ValueError naming the array if the fed stacks' leading lengths differ or hold

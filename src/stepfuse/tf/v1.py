@@ -377,7 +377,8 @@ def fuse(
                 n >= 1,
                 ["stepfuse.tf.v1: the `steps` tensor must be at least 1 in each run. Got:", n],
             )
-            with tf.control_dependencies([positive]):
+            checks = [] if streams is None else streams.fed_checks(n)
+            with tf.control_dependencies([positive, *checks]):
                 step0 = counter.read_value() if counter is not None else tf.constant(0, tf.int64)
                 losses, applied, stop, _, *evals = _outer_loop(
                     inner,
@@ -418,7 +419,8 @@ def fuse(
             whole_run = whole_runs()
             # `run` fetches the call's own output, packed inside the call: cheaper than
             # fetching four tensors, or one packed by graph ops after it (docs/internals/tf.md).
-            with tf.control_dependencies([fits]):
+            checks = [] if streams is None else streams.fed_checks(n)
+            with tf.control_dependencies([fits, *checks]):
                 out = chosen(lambda f: whole_run[f](n))
                 trial = {f: whole_run[f](n) for f in flags} if auto else {flags[0]: out}
             packed, *fetched = [out] if evaluation is None else out
