@@ -261,7 +261,7 @@ def test_bench_harness_interleaves_rounds_until_each_contender_had_min_seconds()
             lambda: stepfuse.Batches([[1.0, 2.0]], np.ones((1, 2))),
             r"`Batches\(\*arrays\)\[0\]` must be an array .*; got a list \(list\)\.",
         ),
-        (lambda: stepfuse.Batches.from_iterable(5, 2), r"`iterable` must be .*got a int \(int\)"),
+        (lambda: stepfuse.Batches.from_iterable(5, 2), r"`iterable` must be .*got an int \(int\)"),
         (
             lambda: check_eval_batch((np.ones(2),), None),
             r"`eval_batch` must be passed only .*; got a tuple \(tuple\)\.",

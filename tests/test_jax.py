@@ -700,6 +700,19 @@ def test_progress_bar_runs_from_inside_the_loop(capsys):
     assert "200/200" in capsys.readouterr().out
 
 
+def test_a_bar_ends_on_the_calls_last_loss_when_nothing_was_notified(capsys):
+    # Once the speed is known, a short call reaches the host at no step: the bar's last
+    # frame showed its initial NaN; it shows the call's last loss.
+    fit = sf.fuse(perceptron_loss, optax.adam(1e-2), steps=100, progress=True)
+    state = fit.init(perceptron_init())
+    for n in (2, 2, 100, 50):
+        capsys.readouterr()
+        state, trace = fit(state, X, Y, steps=n)
+        shown = capsys.readouterr().out
+        assert "loss nan" not in shown, (n, shown)
+        assert f"{n}/{n} loss {float(trace.loss[-1]):.4g}" in shown, (n, shown)
+
+
 @pytest.mark.parametrize("notify, record_every", NOTIFICATION_CASES)
 def test_notifications_leave_the_results_unchanged(notify, record_every, capsys):
     plain = sf.fuse(perceptron_loss, optax.adam(0.05), steps=300, record_every=record_every)
@@ -743,6 +756,13 @@ def test_bad_steps(bad):
     fit = sf.fuse(perceptron_loss, optax.sgd(0.1), steps=3)
     with pytest.raises((TypeError, ValueError), match="`steps`"):
         fit(fit.init(perceptron_init()), X, Y, steps=bad)
+
+
+def test_traced_steps_inside_jit_say_to_make_them_static():
+    fit = sf.fuse(perceptron_loss, optax.sgd(0.1), steps=3)
+    state = fit.init(perceptron_init())
+    with pytest.raises(TypeError, match=r"`steps` must be an int.*make it static"):
+        jax.jit(lambda s, n: fit(s, X, Y, steps=n))(state, 2)
 
 
 def test_call_steps_above_the_built_capacity_says_how_to_fix():

@@ -114,9 +114,13 @@ def check_int(value: Any, name: str, fix: str, *, minimum: int = 1) -> int:
 
 
 def check_steps(value: Any, name: str = "steps") -> int:
-    return check_int(
-        value, name, f"Pass the number of optimizer updates per call, e.g. {name}=100."
-    )
+    fix = f"Pass the number of optimizer updates per call, e.g. {name}=100."
+    if "Tracer" in type(value).__name__:  # a traced value inside a user's jax.jit
+        fix += (
+            " The step count sizes the compiled loop, so it must be a Python int: inside "
+            "jax.jit make it static (static_argnums / static_argnames) or close over it."
+        )
+    return check_int(value, name, fix)
 
 
 def check_tol(value: Any) -> float | None:

@@ -63,8 +63,8 @@ class Trace:
     Attributes:
       loss: the recorded losses. ``loss[j]`` is the loss at the parameters *before*
         update ``j * record_every`` of this call. When the call stopped with
-        ``Stop.NONFINITE`` the losses of every evaluated point are kept, so the last
-        evaluated loss (possibly NaN/inf) is the one of the refused update.
+        ``Stop.NONFINITE`` the refused update's loss (possibly NaN/inf) is the last one,
+        if its index is a multiple of ``record_every`` (always with the default 1).
       steps: the number of updates actually applied in this call.
       stop: why the call ended (a `Stop`).
       record_every: the thinning factor the losses were recorded with.

@@ -226,7 +226,8 @@ class Fit:
             if notify and not traced:  # the host calls happen during the program: wait for it
                 done = int(applied)
                 assert self._notifier is not None
-                self._notifier.done(done)
+                kept = -(-done // self.opts.record_every)  # the last applied step's record
+                self._notifier.done(done, float(buf[kept - 1]) if kept else None)
                 self._seconds_per_step = seconds / max(done, 1)
         if self._errors.error is not None:  # a callback's: the state at its step with it
             error, at = self._errors.error, self._errors.step

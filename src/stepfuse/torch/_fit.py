@@ -272,10 +272,10 @@ class Fit:
         if self._program_key is not None and self._program_key[0] != key[0]:
             warnings.warn(
                 "stepfuse.torch: the optimizer's hyper-parameters changed (an lr scheduler, a "
-                "changed param_group): torch.optim's update rules read them as Python numbers, "
-                "so they are compiled into the fused program, which is compiled again now. A "
-                "schedule that changes them every call pays a compile every call; mode='stepwise' "
-                "compiles nothing.",
+                "changed param_group): the fused program holds them as constants (a tensor "
+                "lr too: its value), so it is compiled again now. A schedule that changes "
+                "them every call pays a compile every call (the last programs are kept: "
+                "values seen before reuse theirs); mode='stepwise' compiles nothing.",
                 RuntimeWarning,
                 stacklevel=user_stacklevel(),
             )
