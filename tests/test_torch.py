@@ -1036,3 +1036,29 @@ def test_the_model_is_found_through_default_arguments_and_partials():
     assert find_modules(functools.partial(loss, m=model)) == [model]
     assert find_modules(functools.partial(loss, m=other)) == [other]
     assert find_modules(lambda x, y: x.sum()) == []
+
+
+def test_a_steps_scalars_get_a_buffer_of_their_own_and_the_same_values():
+    """`_scalars.RealizeScalars`: a one-element expression (a bias correction of the step
+    count) read by a large tensor is read through an identity ``as_strided`` (inductor then
+    computes it once, not per element); small readers and the values are unchanged."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from stepfuse.torch._scalars import LARGE, RealizeScalars
+
+    def update(step, big, small):
+        c = 1 - 0.999 ** (step.double() + 1)
+        return big * c.sqrt().float(), small * c.float()
+
+    args = (torch.tensor(3.0), torch.randn(LARGE), torch.randn(LARGE - 1))
+    gm = make_fx(update)(*args)
+    want = gm(*args)
+    RealizeScalars()(gm.graph)
+    gm.recompile()
+    held = [n for n in gm.graph.nodes if n.target is torch.ops.aten.as_strided.default]
+    assert len(held) == 1, gm.graph  # the sqrt's result, read by `big` alone
+    (reader,) = held[0].users
+    assert reader.meta["val"].numel() == LARGE
+    for a, b in zip(gm(*args), want):
+        assert torch.equal(a, b)
+    assert RealizeScalars().uuid() == RealizeScalars().uuid()  # inductor's cache key

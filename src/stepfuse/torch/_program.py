@@ -26,6 +26,7 @@ from .._core import Flow, ceil_div, loop
 from ._draws import exact_draws
 from ._ops import TORCH
 from ._probe import BatchError
+from ._scalars import RealizeScalars
 from ._tracing import traceable
 
 __all__ = [
@@ -42,10 +43,15 @@ __all__ = [
     "traceable",
 ]
 
-INDUCTOR_OPTIONS: dict[str, Any] = {"cpp_wrapper": True, "fallback_random": True}
+INDUCTOR_OPTIONS: dict[str, Any] = {
+    "cpp_wrapper": True,
+    "fallback_random": True,
+    "post_grad_custom_post_pass": RealizeScalars(),
+}
 """Inductor options of the fused program: the C++ wrapper runs the loop without Python;
 ``fallback_random`` has random ops (``torch.rand``, ``randn``, ``bernoulli`` ...) draw from
-torch's global generator, as in eager mode, rather than from inductor's own seeds."""
+torch's global generator, as in eager mode, rather than from inductor's own seeds; a step's
+scalars (Adam's bias corrections) computed once a step (`stepfuse.torch._scalars`)."""
 
 CHUNK_OPTIONS: dict[str, Any] = {"fallback_random": True}
 """Inductor options of the CUDA chunk (`stepfuse.torch._cuda`)."""
