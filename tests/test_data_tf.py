@@ -130,6 +130,23 @@ def test_epochs_past_the_host_order_table_are_sorted_on_the_device(jit: bool) ->
     same_weights(fm, rm)
 
 
+def test_going_back_to_an_epochs_of_another_seed_reuses_its_program() -> None:
+    # Each structure (an Epochs' seed is part of it) is traced once: calls alternating
+    # between two traced the whole fit again at every call (~1 s each), and equal the
+    # plain loop over each call's minibatches at the fit's global steps.
+    a = sf.Epochs(X, Y, batch_size=8, seed=0)
+    b = sf.Epochs(X, Y, batch_size=8, seed=1)
+    fused, fm = make(steps=4)
+    losses, batches = [], []
+    for k, data in enumerate((a, b, a, b, a)):
+        batches += epoch_batches(data, fused.step, 4)
+        losses.append(fused(data).loss)
+        assert fused.compiles == min(k + 1, 2), (k, fused.compiles)
+    ref, rm = plain(batches)
+    close(np.concatenate(losses), ref)
+    same_weights(fm, rm)
+
+
 def test_epochs_resume_k_then_rest_equals_one_call() -> None:
     data = sf.Epochs(X, Y, batch_size=8, seed=3)
     one, m1 = make(steps=13)

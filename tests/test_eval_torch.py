@@ -408,3 +408,30 @@ def test_convolution_model_with_eval_fn_runs_fused_and_equals_the_plain_loop() -
     np.testing.assert_allclose(trace.eval.value, evals, rtol=RTOL, atol=ATOL)
     for p, q in zip(model.parameters(), plain.parameters()):
         np.testing.assert_allclose(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)
+
+
+def test_a_program_that_fails_when_it_first_runs_falls_back_saying_why(monkeypatch) -> None:
+    """The build runs one step (and an evaluation) of a new program, results dropped: a
+    program inductor compiles but whose code fails when it runs (here the channels-last
+    convolution inside ``torch.cond`` of before, restored) falls back with the error,
+    instead of failing in every call."""
+    from stepfuse.torch import _program
+
+    monkeypatch.setattr(_program, "options_for", lambda spec, base: base)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.Flatten(), nn.Linear(32, 3))
+    x, y = torch.randn(4, 1, 4, 4), torch.randint(0, 3, (4,))
+    ce = torch.nn.functional.cross_entropy
+    fit = sft.fuse(
+        lambda a, b: ce(model(a), b),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        steps=2,
+        model=model,
+        eval_fn=lambda a, b: ce(model(a), b),
+        eval_every=1,
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.warns(RuntimeWarning, match="could not be built.*stride"):
+        trace = fit(x, y, eval_batch=(x, y))
+    assert fit.mode == "stepwise" and trace.steps == 2 and len(trace.eval) == 2
+    assert not any(torch.equal(p, q) for p, q in zip(model.parameters(), before))

@@ -41,7 +41,7 @@ from ._data import Streams, only_given
 from ._distribute import check_split, distributed_step, no_xla_under, strategy_of
 from ._eval import Evaluations
 from ._loop import _INT, _all_finite, _inner_loop, _outer_loop
-from ._plan import AUTO, choose, given, undecided, xla_cause
+from ._plan import AUTO, Parked, choose, given, undecided, xla_cause
 from ._probe import Probe, avoid_xla, hold, probe
 from ._stepwise import Stepwise
 
@@ -184,6 +184,7 @@ class Fit(Stepwise):
         # flat and `_loss_and_grads` packs them back for loss_fn (dicts, tuples ...).
         self._structure = None
         self._probes: dict[Any, Probe] = {}  # see `_probe`
+        self._parked = Parked()  # the programs of other structures (`_plan.Parked`)
         self._drawn: list = []  # random generators' states the loss advances (see `_probe`)
         self._streams = Streams()  # Batches / Epochs / tf.data arguments (see `_data`)
         # eval_fn's arguments, check and buffers (see `_eval`); their tensors follow the batch's
@@ -197,7 +198,9 @@ class Fit(Stepwise):
 
     # -- building -----------------------------------------------------------------------
 
-    def _build(self) -> None:
+    def _build(self, keep_parked: bool = False) -> None:
+        if not keep_parked:  # (programs of other structures: traced with what changed)
+            self._parked.clear()
         inner = self._inner_py
         if self.jit_compile:
             inner = tf.function(inner, jit_compile=True, autograph=False)
@@ -468,10 +471,10 @@ class Fit(Stepwise):
                 rows = self._streams.step_rows(structure, batch)
                 check_split(rows, self._strategy.num_replicas_in_sync, self._strategy)
             if structure != self._structure:  # another nesting of tensors: trace again
-                if self._structure is not None:
-                    self._build()
-                self._structure = structure
-                self._probes.clear()
+                old, self._structure = self._structure, structure
+                if old is not None and not self._parked.switch(self, old, structure):
+                    self._build(keep_parked=True)
+                    self._probes = {}
             tail: tuple = ()
             if self._evals is not None:
                 tail, eval_structure = self._evals.flatten(eval_args, start)

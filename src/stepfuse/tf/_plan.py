@@ -30,6 +30,7 @@ them (``None`` where a step took less time than the trial calls' noise). Given `
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Any
 
 import tensorflow as tf
@@ -37,7 +38,7 @@ import tensorflow as tf
 from .._core import deferred_interrupts
 from ._checks import _fail
 
-__all__ = ["AUTO", "check_jit_compile", "choose", "given", "undecided", "xla_cause"]
+__all__ = ["AUTO", "Parked", "check_jit_compile", "choose", "given", "undecided", "xla_cause"]
 
 AUTO = "auto"
 
@@ -203,3 +204,31 @@ def choose(fit: Any, batch: tuple, tail: tuple) -> None:
         snapshot = [tf.identity(v.read_value()) for v in variables]
         plan = timed(run, fit.opts.steps, limit)
     fit._adopt(plan, programs.get(bool(plan["xla"])), before)
+
+
+class Parked:
+    """The traced programs of the last `SIZE` batch structures a fit left (another nesting,
+    another stream layout: an `Epochs` of another seed), so that going back to one reuses
+    its programs instead of tracing them again, as JAX's and torch's caches do. Anything
+    else that has the fit trace again (`Fit._build`) drops them: they were traced with
+    what changed."""
+
+    SIZE = 4
+    NAMES = ("_inner", "_outer", "_whole", "_single", "_evaluate", "_concrete", "_probes")
+
+    def __init__(self) -> None:
+        self._kept: OrderedDict[Any, dict[str, Any]] = OrderedDict()
+
+    def clear(self) -> None:
+        self._kept.clear()
+
+    def switch(self, fit: Any, old: Any, new: Any) -> bool:
+        """Park ``fit``'s programs (traced for structure ``old``) and put back those of
+        ``new`` if they are parked: whether they were."""
+        self._kept[old] = {k: getattr(fit, k) for k in self.NAMES}
+        while len(self._kept) > self.SIZE:
+            self._kept.popitem(last=False)
+        got = self._kept.pop(new, None)
+        for k, v in (got or {}).items():
+            setattr(fit, k, v)
+        return got is not None

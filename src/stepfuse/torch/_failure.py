@@ -4,8 +4,24 @@ words say what the model does (`build_failure`)."""
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["build_failure", "error_text"]
+import torch
+
+__all__ = ["build_failure", "error_text", "prove"]
+
+
+def prove(run: Callable[[], Any]) -> None:
+    """``run()``: one step (and an evaluation) of a program just compiled, on the fit's
+    inputs, its results dropped (the program returns them; nothing is written back), the
+    random generators' states put back. A program that compiles but fails when it runs
+    (inductor's own checks in its generated code: a channels-last convolution inside
+    ``torch.cond`` failed its stride check, torch 2.13) fails in the build, where the fit
+    falls back saying why, rather than in every call."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if cuda else []):
+        run()
 
 
 def build_failure(error: Exception) -> str:

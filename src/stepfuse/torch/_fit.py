@@ -12,9 +12,8 @@ runs the identical semantics with eager ``loss.backward(); optimizer.step()`` th
 naming the reason (`stepfuse.torch._probe`), when the fused path cannot handle a model or
 optimizer.
 
-Modules by job: `_rules` (update rules), `_state` (optimizer state layout), `_program`
-(the compiled loop), `_cuda`, `_probe` (probing, fallback reasons), `_data`, `_ops` (step
-semantics); here: `Fit` (setup, fallback policy, the host driver of a call) and `fuse`.
+The modules by job: docs/internals/torch.md; here: `Fit` (setup, fallback policy, the
+host driver of a call) and `fuse`.
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ from .._core import (
 from .._core.options import shared_doc
 from . import _changes, _cuda, _data, _eager, _eval, _plan, _program, _ranks
 from ._draws import draws_verified
-from ._failure import build_failure
+from ._failure import build_failure, prove
 from ._probe import (
     BatchError,
     Resolved,
@@ -239,12 +238,13 @@ class Fit:
             if not s.fused_kernels:
                 self.compiles += 1  # the eager capture is this build's program
             return s
-        program = _program.Program(self._body(capturable=False), self._compile, prev.device)
-        # n=0: compiles without running a step; nothing changes.
-        re = self.opts.record_every
-        _program.run_program(
-            program, self._cap, re, 0, 0, prev, params, states, buffers, tuple(batch), self._rnn
-        )
+        cap, re, rnn, dev = self._cap, self.opts.record_every, self._rnn, prev.device
+        program, run = _program.Program(self._body(False), self._compile, dev), _program.run_program
+        # n=0: compiles without running a step; nothing changes. Then one step (and an
+        # evaluation: due after it) whose results are dropped (`_failure.prove`).
+        run(program, cap, re, 0, 0, prev, params, states, buffers, tuple(batch), rnn)
+        due = _eval.inputs(self._evals, self._fed.inputs(0), (self.opts.eval_every or 1) - 1, dev)
+        prove(lambda: run(program, cap, re, 1, 0, prev, params, states, buffers, due, rnn))
         return program
 
     def _ensure_program(self) -> None:
@@ -288,6 +288,8 @@ class Fit:
                 self._program = self._build(params, states, self._inputs(0), prev)
                 break
             except Exception as e:  # noqa: BLE001 - any compile failure means: run stepwise
+                if isinstance(e, BatchError):  # (a minibatch's labels: the user's to fix)
+                    raise
                 interrupt = interrupt_inside(e)
                 if interrupt is not None:  # Ctrl-C during the compile is the user's, not a failure
                     raise interrupt from None
