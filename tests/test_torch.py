@@ -1062,3 +1062,14 @@ def test_a_steps_scalars_get_a_buffer_of_their_own_and_the_same_values():
     for a, b in zip(gm(*args), want):
         assert torch.equal(a, b)
     assert RealizeScalars().uuid() == RealizeScalars().uuid()  # inductor's cache key
+
+
+@pytest.mark.slow  # two compiles
+def test_scalars_benchmark_script_runs_and_the_pass_changes_no_value(benchmark_script, monkeypatch):
+    import sys
+
+    script = benchmark_script("torch_scalars")
+    monkeypatch.setitem(sys.modules, "torch_scalars", script)  # dynamo imports the loss's module
+    rows = script.main(["--problems", "small", "--steps", "16", "--rounds", "1"])
+    assert [r["program"] for r in rows] == ["with the pass", "without"]
+    assert all(r["mode"] == "fused" and r["bitwise_equal"] for r in rows), rows
