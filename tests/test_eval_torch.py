@@ -369,6 +369,19 @@ def test_guide_example_runs() -> None:
     assert len(trace.eval) > 0 and np.all(np.isfinite(trace.eval["loss"]))
 
 
+def _sgd_fit_with_eval(model: nn.Module, steps: int, eval_every: int) -> Any:
+    """SGD(0.1) on cross-entropy, evaluated on the same loss every ``eval_every`` steps."""
+    ce = torch.nn.functional.cross_entropy
+    return sft.fuse(
+        lambda a, b: ce(model(a), b),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        steps=steps,
+        model=model,
+        eval_fn=lambda a, b: ce(model(a), b),
+        eval_every=eval_every,
+    )
+
+
 def test_convolution_model_with_eval_fn_runs_fused_and_equals_the_plain_loop() -> None:
     """A Conv2d model with ``eval_fn``: inductor's channels-last layout inside the
     evaluation's ``torch.cond`` failed its own stride check when the program ran (torch 2.13);
@@ -383,14 +396,7 @@ def test_convolution_model_with_eval_fn_runs_fused_and_equals_the_plain_loop() -
     xv, yv = torch.randn(5, 1, 4, 4, generator=g), torch.randint(0, 3, (5,), generator=g)
     ce = torch.nn.functional.cross_entropy
     model, plain = net(), net()
-    fit = sft.fuse(
-        lambda a, b: ce(model(a), b),
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        steps=4,
-        model=model,
-        eval_fn=lambda a, b: ce(model(a), b),
-        eval_every=2,
-    )
+    fit = _sgd_fit_with_eval(model, steps=4, eval_every=2)
     trace = fit(x, y, eval_batch=(xv, yv))
     assert fit.mode == "fused", fit.fallback_reason
     opt = torch.optim.SGD(plain.parameters(), lr=0.1)
@@ -421,15 +427,7 @@ def test_a_program_that_fails_when_it_first_runs_falls_back_saying_why(monkeypat
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.Flatten(), nn.Linear(32, 3))
     x, y = torch.randn(4, 1, 4, 4), torch.randint(0, 3, (4,))
-    ce = torch.nn.functional.cross_entropy
-    fit = sft.fuse(
-        lambda a, b: ce(model(a), b),
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        steps=2,
-        model=model,
-        eval_fn=lambda a, b: ce(model(a), b),
-        eval_every=1,
-    )
+    fit = _sgd_fit_with_eval(model, steps=2, eval_every=1)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.warns(RuntimeWarning, match="could not be built.*stride"):
         trace = fit(x, y, eval_batch=(x, y))
