@@ -147,6 +147,41 @@ def test_going_back_to_an_epochs_of_another_seed_reuses_its_program() -> None:
     same_weights(fm, rm)
 
 
+def test_switching_between_dict_and_tuple_batches_runs_each_ones_program() -> None:
+    # A dict batch's structure was unhashable to the kept programs: every switch raised,
+    # after which the retry ran the other structure's program (the dict branch's loss).
+    model = _model()
+
+    def loss_fn(*a: Any) -> Any:
+        if isinstance(a[0], dict):
+            return 2.0 * tf.reduce_mean((model(a[0]["x"])[:, 0] - a[0]["y"]) ** 2)
+        return tf.reduce_mean((model(a[0])[:, 0] - a[1]) ** 2)
+
+    fit = sft.fuse(loss_fn, keras.optimizers.SGD(0.0), model, steps=1, jit_compile=False)
+    x, y = X[:8], Y[:8]
+    for k, batch in enumerate([({"x": x, "y": y},), (x, y), ({"x": x, "y": y},), (x, y)]):
+        close(fit(*batch).loss, [float(loss_fn(*batch))])
+        assert fit.compiles == min(k + 1, 2)
+
+
+def test_a_new_structure_xla_cannot_compile_falls_back_after_another_ran_with_xla() -> None:
+    # Which programs ran once (so an XLA failure is no longer expected) is kept per
+    # structure: the second structure's XLA failure fell through as an error.
+    model = _model()
+
+    def loss_fn(xb: Any, yb: Any, *w: Any) -> Any:
+        loss = tf.reduce_mean((model(xb)[:, 0] - yb) ** 2)
+        if w:  # through NumPy: no XLA kernel
+            loss = loss * tf.reduce_mean(tf.numpy_function(lambda a: a, [w[0]], tf.float32))
+        return loss
+
+    fit = sft.fuse(loss_fn, keras.optimizers.SGD(0.01), model, steps=2, jit_compile=True)
+    fit(X, Y)
+    with pytest.warns(RuntimeWarning, match="could not be XLA-compiled"):
+        trace = fit(X, Y, np.ones(44, np.float32))
+    assert trace.steps == 2 and not fit.jit_compile and fit.step == 4
+
+
 def test_epochs_resume_k_then_rest_equals_one_call() -> None:
     data = sf.Epochs(X, Y, batch_size=8, seed=3)
     one, m1 = make(steps=13)

@@ -287,6 +287,25 @@ def test_a_fed_steps_tensor_is_checked_against_the_fed_stack() -> None:
             assert fit.run(sess, {xs: XS[:4], ys: YS[:4], n: 4}).steps == 4
 
 
+def test_a_bare_train_op_run_of_a_known_length_stack_checks_a_fed_steps() -> None:
+    # A stack of known length was not checked against `steps` fed at run time: with XLA
+    # the extra steps reused the last minibatch; without, a raw gather error after 6 updates.
+    with tf.Graph().as_default():
+        vs, loss_fn = _model()
+        xs = tf1.placeholder(tf.float32, (6, 4, 3), name="xs")
+        ys = tf1.placeholder(tf.float32, (6, 4), name="ys")
+        fit = sf1.fuse(loss_fn, tf1.train.AdamOptimizer(0.05), steps=4, data=sf.Batches(xs, ys))
+        feed = {xs: XS[:6], ys: YS[:6]}
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            before = sess.run(vs)
+            with pytest.raises(tf.errors.InvalidArgumentError, match="at least `steps`"):
+                sess.run(fit.train_op, {**feed, fit.steps: 9})
+            for u, v in zip(before, sess.run(vs)):
+                np.testing.assert_array_equal(u, v)
+            sess.run(fit.train_op, {**feed, fit.steps: 6})
+
+
 @pytest.mark.parametrize("steps", [4, "tensor"])
 def test_a_bare_train_op_run_checks_the_fed_stack_in_the_graph(steps: Any) -> None:
     """``sess.run(fused.train_op)`` with fewer (or ragged) stacked minibatches than steps

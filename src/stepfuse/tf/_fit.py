@@ -122,7 +122,6 @@ class Fit(Stepwise):
             }
         self.step = 0
         self.compiles = 0
-        self._compiled: set[Any] = set()  # the programs (whole / outer) that have run once
         self._tf_vars = [_tf_var(v) for v in variables]
         # A model and optimizer created under a tf.distribute strategy: each step runs on
         # every replica (`_distribute`), without XLA.
@@ -219,6 +218,7 @@ class Fit(Stepwise):
         self._concrete: dict[
             Any, Any
         ] = {}  # (program, batch signature) -> the traced function; see `_call`
+        self._compiled: set[Any] = set()  # the programs (whole / outer) that have run once
 
     def _call(self, program, head, batch, tail=()):
         """``program(*head, *batch, *tail)`` through the concrete function traced for these
@@ -471,10 +471,11 @@ class Fit(Stepwise):
                 rows = self._streams.step_rows(structure, batch)
                 check_split(rows, self._strategy.num_replicas_in_sync, self._strategy)
             if structure != self._structure:  # another nesting of tensors: trace again
-                old, self._structure = self._structure, structure
+                old = self._structure
                 if old is not None and not self._parked.switch(self, old, structure):
                     self._build(keep_parked=True)
                     self._probes = {}
+                self._structure = structure
             tail: tuple = ()
             if self._evals is not None:
                 tail, eval_structure = self._evals.flatten(eval_args, start)

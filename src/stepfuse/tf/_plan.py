@@ -207,14 +207,24 @@ def choose(fit: Any, batch: tuple, tail: tuple) -> None:
 
 
 class Parked:
-    """The traced programs of the last `SIZE` batch structures a fit left (another nesting,
+    """The traced programs of up to `SIZE` batch structures a fit left (another nesting,
     another stream layout: an `Epochs` of another seed), so that going back to one reuses
     its programs instead of tracing them again, as JAX's and torch's caches do. Anything
     else that has the fit trace again (`Fit._build`) drops them: they were traced with
     what changed."""
 
     SIZE = 4
-    NAMES = ("_inner", "_outer", "_whole", "_single", "_evaluate", "_concrete", "_probes")
+    # (`_compiled`: which of them ran once; XLA's first run of one may fall back)
+    NAMES = (
+        "_inner",
+        "_outer",
+        "_whole",
+        "_single",
+        "_evaluate",
+        "_concrete",
+        "_probes",
+        "_compiled",
+    )
 
     def __init__(self) -> None:
         self._kept: OrderedDict[Any, dict[str, Any]] = OrderedDict()
@@ -225,10 +235,24 @@ class Parked:
     def switch(self, fit: Any, old: Any, new: Any) -> bool:
         """Park ``fit``'s programs (traced for structure ``old``) and put back those of
         ``new`` if they are parked: whether they were."""
-        self._kept[old] = {k: getattr(fit, k) for k in self.NAMES}
+        got = self._kept.pop(_hashable(new), None)
+        self._kept[_hashable(old)] = {k: getattr(fit, k) for k in self.NAMES}
         while len(self._kept) > self.SIZE:
             self._kept.popitem(last=False)
-        got = self._kept.pop(new, None)
         for k, v in (got or {}).items():
             setattr(fit, k, v)
         return got is not None
+
+
+def _hashable(structure: Any) -> Any:
+    """A batch structure (`tf.nest`'s: dicts, lists, tuples of leaves) as a hashable key."""
+    if isinstance(structure, dict):
+        items = sorted(structure.items(), key=lambda kv: repr(kv[0]))
+        return ("dict", tuple((k, _hashable(v)) for k, v in items))
+    if isinstance(structure, (list, tuple)):
+        return (type(structure).__name__, tuple(_hashable(v) for v in structure))
+    try:
+        hash(structure)
+    except TypeError:
+        return ("repr", repr(structure))
+    return structure

@@ -217,12 +217,11 @@ class V1Data:
         return [tf.gather(a, rows) for a in self.arrays]
 
     def fed_checks(self, n: Any) -> list[Any]:
-        """Graph asserts that stacked minibatches of an unknown leading length hold at least
-        the run's ``n`` steps, all of one length: a bare ``sess.run(fused.train_op)`` is
-        checked too (`check_feed` checks a `Fused.run`'s feed first, on the host)."""
-        if self.batches is None or all(
-            a.shape.rank and a.shape[0] is not None for a in self.arrays
-        ):
+        """Graph asserts that the stacked minibatches hold at least the run's ``n`` steps
+        (a fed ``steps`` too, so known lengths are checked as well), all of one length: a
+        bare ``sess.run(fused.train_op)`` is checked too (`check_feed` checks a
+        `Fused.run`'s feed first, on the host)."""
+        if self.batches is None:
             return []
         leads = [tf.shape(a, out_type=tf.int32)[0] for a in self.arrays]
         ok = tf.reduce_all(tf.stack([(d >= n) & tf.equal(d, leads[0]) for d in leads]))
