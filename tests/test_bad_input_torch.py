@@ -306,6 +306,23 @@ def test_fused_call_errors_change_nothing(fused_fit, kw, batch, exc, name):
     assert fit.step == step
 
 
+def test_a_bad_label_mid_call_says_which_steps_were_applied():
+    # The first call's eager step is applied before the program runs the others: the
+    # error said "Nothing was changed" while fit.step was 1 and the weights had moved.
+    import stepfuse
+
+    model, optimizer, loss_fn = make("perceptron", "adam")
+    ref_m, ref_o, _ = make("perceptron", "adam")
+    ys = Y.expand(3, -1).clone()
+    ys[2, 0] = 7  # two classes
+    fit = sf.fuse(loss_fn, optimizer, steps=3, model=model)
+    with pytest.raises(sf.BatchError, match=r"first 1 step\(s\) were applied.* 1 to 2"):
+        fit(stepfuse.Batches(X.expand(3, -1, -1), ys))
+    assert fit.step == 1
+    reference_steps(ref_m, ref_o, 1)
+    assert_close_lists(params_of(model), params_of(ref_m))
+
+
 def test_fused_fit_still_matches_the_reference_after_the_errors(fused_fit):
     model, optimizer, fit = fused_fit
     trace = fit(X, Y, steps=5)

@@ -1,5 +1,7 @@
-"""Why a fused program could not be built, in full, with what to change where dynamo's
-words say what the model does (`build_failure`)."""
+"""When a fused program fails: why it could not be built, in full, with what to change
+where dynamo's words say what the model does (`build_failure`); the one step a new
+program runs before it is kept (`prove`); a minibatch's index out of range found by the
+program's bounds check, and what the call had applied before it (`index_error`)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["build_failure", "error_text", "prove"]
+from ._probe import BatchError
+
+__all__ = ["build_failure", "error_text", "index_error", "prove"]
 
 
 def prove(run: Callable[[], Any]) -> None:
@@ -79,3 +83,27 @@ def error_text(error: BaseException) -> str:
 
 def _cause_of(error: BaseException) -> BaseException | None:
     return getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
+
+
+def index_error(e: RuntimeError, i0: int, n: int) -> BatchError:
+    """A compiled kernel's bounds check as a `BatchError`: the probe checks a batch
+    signature's first batch only, so a later batch's label out of range fails inside the
+    program (inductor's "index out of bounds" in its generated code). The program's results
+    are written back after it returns, so this program call (the call's steps ``i0`` ..
+    ``i0 + n - 1``) changed nothing; the call's steps before ``i0`` were applied."""
+    text = " ".join(str(e).split())
+    cause = text[text.index("index out of bounds") :][:200]
+    done = (
+        f"The call's first {i0} step(s) were applied (fit.step counts them), as a plain loop "
+        f"would have before failing; its steps {i0} to {i0 + n - 1}, where a minibatch "
+        "failed, changed nothing."
+        if i0
+        else "Nothing was changed (the parameters, the optimizer and fit.step are as before "
+        "the call)."
+    )
+    return BatchError(
+        "`batch` holds an index out of range: the fused program's bounds check failed "
+        f"({cause}). A class label >= the number of classes or a token id >= an "
+        "embedding's size does this (eager torch raises IndexError there); check the "
+        f"batch, e.g. assert int(y.max()) < classes. {done}"
+    )

@@ -24,8 +24,8 @@ from torch.utils import _pytree
 
 from .._core import Flow, ceil_div, loop
 from ._draws import exact_draws
+from ._failure import index_error
 from ._ops import TORCH
-from ._probe import BatchError
 from ._scalars import RealizeScalars
 from ._tracing import traceable
 
@@ -297,9 +297,9 @@ def compile_fn(
         from torch._inductor import config
         from torch._inductor.compile_fx import compile_fx
 
-        on_compile()
         with config.patch(inductor_options):
             compiled = compile_fx(gm, example_inputs, decompositions=_decompositions())
+        on_compile()  # (after: dynamo may restart an analysis, which calls this again)
         if sink is not None:
             sink.append((compiled, list(example_inputs)))
         return compiled
@@ -518,23 +518,7 @@ def run_program(
     except RuntimeError as e:
         if "index out of bounds" not in str(e):
             raise
-        raise _index_error(e) from e
-
-
-def _index_error(e: RuntimeError) -> BatchError:
-    """A compiled kernel's bounds check as a `BatchError`: the probe checks a batch
-    signature's first batch only, so a later batch's label out of range fails inside the
-    program (inductor's "index out of bounds" in its generated code). The program's results
-    are written back after it returns, so nothing has changed."""
-    text = " ".join(str(e).split())
-    cause = text[text.index("index out of bounds") :][:200]
-    return BatchError(
-        "`batch` holds an index out of range: the fused program's bounds check failed "
-        f"({cause}). A class label >= the number of classes or a token id >= an "
-        "embedding's size does this (eager torch raises IndexError there); check the "
-        "batch, e.g. assert int(y.max()) < classes. Nothing was changed (the parameters, "
-        "the optimizer and fit.step are as before the call)."
-    )
+        raise index_error(e, i0, n) from e
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
