@@ -360,6 +360,7 @@ def fuse(
     # `sess.run([loss, optimizer.minimize(loss)])`: the loop waits for its variable reads
     # (only the reads: a run of the loop alone does not pay for the forward pass).
     with tf1.name_scope("stepfuse_loop"), tf.control_dependencies(_variable_reads(loss0)):
+        checks = [] if streams is None else streams.fed_checks(n)  # (fed stacks' lengths)
         if chained:
             inners = {
                 f: tf.function(
@@ -377,7 +378,6 @@ def fuse(
                 n >= 1,
                 ["stepfuse.tf.v1: the `steps` tensor must be at least 1 in each run. Got:", n],
             )
-            checks = [] if streams is None else streams.fed_checks(n)
             with tf.control_dependencies([positive, *checks]):
                 step0 = counter.read_value() if counter is not None else tf.constant(0, tf.int64)
                 losses, applied, stop, _, *evals = _outer_loop(
@@ -419,7 +419,6 @@ def fuse(
             whole_run = whole_runs()
             # `run` fetches the call's own output, packed inside the call: cheaper than
             # fetching four tensors, or one packed by graph ops after it (docs/internals/tf.md).
-            checks = [] if streams is None else streams.fed_checks(n)
             with tf.control_dependencies([fits, *checks]):
                 out = chosen(lambda f: whole_run[f](n))
                 trial = {f: whole_run[f](n) for f in flags} if auto else {flags[0]: out}

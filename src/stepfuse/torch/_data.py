@@ -111,12 +111,12 @@ class Fed:
             for j, a in enumerate(source.arrays if slot.kind != "fixed" else ()):
                 _check_device(a, device, f"batch[{k}] ({type(source).__name__} array {j})")
         put = functools.partial(_place, device=device)
+        kept = functools.partial(_place, device=device, copy=True)  # an Epochs' dataset
         arrays: list[Any] = []
         for slot, source in zip(feed.slots, args):
             if slot.kind == "fixed":
                 arrays.append(source)
             elif isinstance(source, Epochs):
-                kept = functools.partial(_place, device=device, copy=True)
                 arrays.extend(source.placed(("torch", device), kept))
                 self._epochs.append((slot, source.rows))
             else:
