@@ -328,6 +328,33 @@ def test_a_bare_train_op_run_checks_the_fed_stack_in_the_graph(steps: Any) -> No
             assert int(sess.run(fit.steps_taken, {xs: XS[:4], ys: YS[:4]})) == 4
 
 
+def test_the_auto_trial_of_a_chained_loop_checks_the_fed_stack() -> None:
+    # `decide` times both loops on the feed it is given: the chained loop's trial programs
+    # ran on a stack shorter than `steps` unchecked (XLA's gather clamps the index).
+    with tf.Graph().as_default():
+        vs, loss_fn = _model()
+        xs = tf1.placeholder(tf.float32, (None, 4, 3), name="xs")
+        ys = tf1.placeholder(tf.float32, (None, 4), name="ys")
+        n = tf1.placeholder_with_default(4, [])
+        fit = sf1.fuse(
+            loss_fn,
+            tf1.train.AdamOptimizer(0.05),
+            steps=n,
+            data=sf.Batches(xs, ys),
+            jit_compile="auto",
+        )
+        assert fit.trial is not None and fit.max_steps is None  # (chained, with a trial)
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            before = sess.run(vs)
+            with pytest.raises(tf.errors.InvalidArgumentError, match="at least `steps`"):
+                fit.decide(sess, {xs: XS[:3], ys: YS[:3]})
+            for u, v in zip(before, sess.run(vs)):
+                np.testing.assert_array_equal(u, v)
+            assert fit.plan["xla"] is None
+            assert fit.decide(sess, {xs: XS[:4], ys: YS[:4]})["xla"] in (True, False)
+
+
 def test_batches_of_a_known_length_shorter_than_steps_is_refused_at_build() -> None:
     with tf.Graph().as_default():
         _, loss_fn = _model()

@@ -402,7 +402,7 @@ def fuse(
             direct = {f: [packed, *fetched] for f in flags}
             if auto:  # the trial's programs: one call of each loop, as an unchained run
                 whole_run = whole_runs()
-                with tf.control_dependencies([positive]):
+                with tf.control_dependencies([positive, *checks]):
                     trial = {f: whole_run[f](n) for f in flags}
         else:
             # At most `chunk` steps per run and no graph loop around the call: less per
