@@ -190,6 +190,14 @@ CASES = [
         ValueError,
         r"shapes.*\(10, 1\).*\(50, 1\)",
     ),
+    (
+        # The message listed one `()` per number (44 KB for 2,000 rows of 4) and no fix.
+        "batch given as Python lists",
+        lambda: call(batch=(X.tolist(), Y.tolist())),
+        TypeError,
+        r"(?s)^.{0,900}batch\[0\] is a list of 100 numbers; batch\[1\] is a list of 50 numbers: "
+        r"JAX reads a list as a pytree of separate scalars; np\.asarray\(\.\.\.\) makes it one",
+    ),
     # -- optimizer of another framework / not an optax GradientTransformation
     *[
         (

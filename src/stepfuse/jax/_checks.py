@@ -142,6 +142,25 @@ def _short(tree: Any, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _numbers(arg: Any) -> str:
+    """``"a list of 8000 numbers"`` for a batch argument given as (nested) lists of numbers
+    (``fit(state, x.tolist())``), which JAX reads as a pytree of separate scalars; else ``""``."""
+    leaves = jax.tree_util.tree_leaves(arg)
+    if isinstance(arg, (list, tuple)) and leaves and all(np.ndim(v) == 0 for v in leaves):
+        return f"a {type(arg).__name__} of {len(leaves)} numbers"
+    return ""
+
+
+def _lists(batch: tuple) -> str:
+    named = [f"batch[{i}] is {_numbers(a)}" for i, a in enumerate(batch) if _numbers(a)]
+    if not named:
+        return ""
+    return (
+        f" {'; '.join(named)}: JAX reads a list as a pytree of separate scalars; "
+        "np.asarray(...) makes it one array."
+    )
+
+
 def inputs_reaching_output(jaxpr: Any) -> list[bool]:
     """For each input of ``jaxpr``, whether the first output (the loss) may depend on it.
 
@@ -216,12 +235,16 @@ class Loss:
         try:
             closed, shape = jax.make_jaxpr(call, return_shape=True)(params, model_state, *batch)
         except (TypeError, ValueError) as e:
-            shapes = jax.tree_util.tree_map(lambda a: tuple(np.shape(a)), (params, batch))
+            shape = lambda a: tuple(np.shape(a))  # noqa: E731
+            shapes = (
+                jax.tree_util.tree_map(shape, params),
+                tuple(_numbers(a) or jax.tree_util.tree_map(shape, a) for a in batch),
+            )
             args = "params, model_state, *batch" if has_state else "params, *batch"
             # The plain type: JAX's own subclasses (ConcretizationTypeError ...) take a tracer.
             raise (TypeError if isinstance(e, TypeError) else ValueError)(
-                f"`loss_fn({args})` failed with params/batch shapes {shapes}: {e} "
-                "Check that the batch passed to fit(state, *batch) fits the model."
+                f"`loss_fn({args})` failed with params/batch shapes {_short(shapes)}: {e} "
+                f"Check that the batch passed to fit(state, *batch) fits the model.{_lists(batch)}"
             ) from e
         out, new_state, aux = self._parts(shape, has_aux, has_state)
         if (
