@@ -433,3 +433,48 @@ def test_a_program_that_fails_when_it_first_runs_falls_back_saying_why(monkeypat
         trace = fit(x, y, eval_batch=(x, y))
     assert fit.mode == "stepwise" and trace.steps == 2 and len(trace.eval) == 2
     assert not any(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("mode", ["fused", "stepwise"])
+def test_an_eval_fn_that_switches_to_train_mode_is_put_back_with_a_warning(mode: str) -> None:
+    """A model trained in eval mode (BatchNorm's statistics frozen) with the guide's
+    ``eval_fn`` (``model.eval()`` ... ``model.train()``): the fused program failed to trace
+    (the evaluation's branch left ``training`` changed) and fell back to stepwise. Now each
+    evaluation's module attributes are put back in both modes, with a warning that a plain
+    loop calling this eval_fn would go on in train mode; the steps run in eval mode."""
+
+    def net() -> nn.Module:
+        torch.manual_seed(4)
+        return nn.Sequential(nn.Linear(3, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 1))
+
+    model, plain = net(), net()
+    for m in (model, plain):
+        m(X)  # running statistics of their own, which eval mode then reads
+        m.eval()
+    fit = sft.fuse(
+        _loss_of(model),
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        steps=4,
+        model=model,
+        eval_fn=_eval_in_eval_mode(model),
+        eval_every=2,
+        mode=mode,
+    )
+    with pytest.warns(UserWarning, match=r"eval_fn leaves module attributes changed \(Sequent"):
+        trace = fit(X, Y, eval_batch=(XV, YV))
+    assert fit.mode == mode, fit.fallback_reason
+    assert not model.training and not model[1].training
+    opt, losses, evals = torch.optim.SGD(plain.parameters(), lr=0.05), [], []
+    for t in range(4):  # the plain loop in eval mode, its evaluation leaving the mode alone
+        opt.zero_grad()
+        loss = _loss_of(plain)(X, Y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if (t + 1) % 2 == 0:
+            with torch.no_grad():
+                evals.append(float((plain(XV)[:, 0] - YV).abs().mean()))
+    _close(trace.loss, losses)
+    _close(trace.eval.value, evals)
+    for p, q in zip(model.state_dict().values(), plain.state_dict().values()):
+        _close(p, q)

@@ -13,7 +13,8 @@ before (no ``Spec``, no extra inputs).
 
 The modules are seen as they are (their ``training`` flags, as the fit trains them); the
 evaluation runs without autograd, and what it does to the modules' buffers (BatchNorm's
-running statistics in train mode) is discarded, in both modes. ``Evaluations.check`` runs
+running statistics in train mode) and Python number attributes (``model.train()`` at the
+end of ``eval_fn``) is put back, in both modes (a warning where it changed the latter). ``Evaluations.check`` runs
 ``eval_fn`` once eagerly per ``eval_batch`` signature before anything else (its buffers and
 random state put back): a named error if it fails or returns anything but a scalar tensor
 or a dict of them; it fixes the names and dtypes of the series.
@@ -22,6 +23,7 @@ or a dict of them; it fixes the names and dtypes of the series.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -40,6 +42,7 @@ from .._core import (
     host_evals,
 )
 from .._core.options import fail
+from ._changes import module_numbers, watched
 from ._probe import hold_buffers
 from ._program import batch_key
 from ._state import put_back
@@ -69,9 +72,19 @@ class _EvalModule(nn.Module):
         super().__init__()
         self.models = nn.ModuleList(modules)
         self.eval_fn = eval_fn
+        self.numbers = watched(modules)  # (a plain list: found once, outside the trace)
 
     def forward(self, *args: Any) -> Any:
-        return self.eval_fn(*args)
+        # The modules' Python number attributes are put back after an evaluation, as the
+        # stepwise mode's `put_back` does: ``model.train()`` at the end of eval_fn leaves a
+        # model trained in eval mode in eval mode (and the traced branch without effects).
+        before = [[getattr(m, k) for k in names] for m, names in self.numbers]
+        out = self.eval_fn(*args)
+        for (m, names), old in zip(self.numbers, before):
+            for k, a in zip(names, old):
+                if getattr(m, k) != a:
+                    setattr(m, k, a)
+        return out
 
 
 class Spec(NamedTuple):
@@ -150,6 +163,8 @@ class Evaluations:
         self.module = _EvalModule(opts.eval_fn, modules)
         self._modules = list(modules)
         self._checked: dict[tuple, dict[str, torch.dtype]] = {}  # signature -> series dtypes
+        self._subs = self.module.numbers
+        self._modes: set[tuple] = set()  # (signature, module numbers) eval_fn was checked in
         self.dtypes: dict[str, torch.dtype] = {}  # those of the call's eval_batch
         self.args: tuple = ()  # the call's eval_batch
         self.key: tuple = ()  # its signature (a program is built for one)
@@ -159,9 +174,11 @@ class Evaluations:
         the buffers and random state put back): a named error if it fails or returns
         anything but a scalar or a non-empty dict of scalars. Sets the call's arguments."""
         found = self._checked.get(key)
-        if found is None:
+        mode = (key, module_numbers(self._subs))
+        if found is None or mode not in self._modes:  # (again in each train/eval mode)
             rng = torch.get_rng_state()
             out = eval_values(self._run(args, what="checking it", rng=rng))
+            self._modes.add(mode)
             found = {}
             for name, v in out.items():
                 if not isinstance(v, torch.Tensor):
@@ -175,10 +192,13 @@ class Evaluations:
         with ``rng`` (the random state before), an error if it drew random numbers."""
         held = hold_buffers(self._modules)
         before = torch.get_rng_state() if rng is None else rng
+        numbers = module_numbers(self._subs)
         try:
             with torch.no_grad():
                 out = self.eval_fn(*args)
             drew = not torch.equal(before, torch.get_rng_state())
+            if rng is not None:
+                _left_changed(self._subs, numbers, module_numbers(self._subs))
         except (TypeError, ValueError, RuntimeError, IndexError) as e:
             shapes = [
                 f"{a.dtype}{list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
@@ -264,6 +284,28 @@ def inputs(evals: Evaluations | None, batch: tuple, step: int, device: torch.dev
 
 def _storage(t: torch.Tensor) -> tuple:
     return (t.device, t.untyped_storage().data_ptr())
+
+
+def _left_changed(subs: Any, before: tuple, after: tuple) -> None:
+    """Warn where ``eval_fn`` leaves a module attribute changed (``model.train()`` at its
+    end, with the model in eval mode): each evaluation's are put back, in both modes, where
+    a plain loop calling it would go on with them changed."""
+    changed = [
+        f"{type(m).__name__}.{k}: {a!r} -> {b!r}"
+        for (m, names), old, new in zip(subs, before, after)
+        for k, a, b in zip(names, old, new)
+        if a != b
+    ]
+    if changed:
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        warnings.warn(
+            f"stepfuse.torch: eval_fn leaves module attributes changed ({', '.join(changed[:3])}"
+            f"{more}). The fit puts them back after each evaluation, so the steps run as "
+            "the model was set for the call, where a plain loop calling this eval_fn would "
+            "go on with them changed. To say so in eval_fn: was = model.training; "
+            "model.eval(); ...; model.train(was).",
+            stacklevel=5,
+        )
 
 
 def check_call(evals: Evaluations | None, eval_batch: Any) -> None:
