@@ -385,8 +385,8 @@ def _v1(case):
                     ce(y, tf.matmul(x, k())) + 0 * tf.reduce_sum(tf.stop_gradient(b()))
                 ),
             }[value]
-            if value == "bias_unused":  # asked for by name: without a gradient it is refused
-                kw["var_list"] = [k(), b()]
+            if value == "bias_unused":  # asked for by name, alone: no gradient reaches it
+                kw["var_list"] = [b()]  # (beside the kernel it is left alone, as minimize does)
         elif kind == "var_list":
             kw["var_list"] = {
                 "empty": lambda: [],

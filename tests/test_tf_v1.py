@@ -380,7 +380,7 @@ def test_bad_input_names_the_argument(case, name):
         elif case == "no_gradient":
             v = tf1.get_variable("v", initializer=tf.constant([3.0]))
             w = _w()
-            kw["var_list"] = [v, w]
+            kw["var_list"] = [v]  # (with w too, v is left alone, as minimize leaves it)
             loss = lambda: tf.reduce_sum(w**2)  # noqa: E731  (never reads v)
         elif case == "empty_var_list":
             kw["var_list"] = []
@@ -454,12 +454,13 @@ def test_a_keras_layer_made_inside_loss_fn_gets_the_fix():
     with tf.Graph().as_default():
         x = tf1.placeholder(tf.float32, [None, 2])
         y = tf1.placeholder(tf.int32, [None])
-        with pytest.raises(ValueError, match="make them once before fuse, outside loss_fn"):
-            v1.fuse(
-                lambda: sparse_ce(y, keras.layers.Dense(2)(x)),
-                tf1.train.GradientDescentOptimizer(0.1),
-                steps=3,
-            )
+
+        def new_layer_each_call():
+            return sparse_ce(y, keras.layers.Dense(2)(x))
+
+        with pytest.raises(ValueError, match="make them once before fuse, outside loss_fn") as e:
+            v1.fuse(new_layer_each_call, tf1.train.GradientDescentOptimizer(0.1), steps=3)
+        assert "new_layer_each_call" in str(e.value) and "guarded" not in str(e.value)
 
 
 @pytest.mark.parametrize("kind", ["fused", "stepwise"])
@@ -504,8 +505,11 @@ def test_a_learning_rate_tensor_of_the_global_step_is_named_as_read_once_per_run
         opt = tf1.train.GradientDescentOptimizer(tf1.train.exponential_decay(0.5, gs, 1, 0.5))
         with pytest.warns(
             RuntimeWarning, match="learning_rate is a tensor computed from a variable"
-        ):
+        ) as caught:
             v1.fuse(lambda: tf.reduce_sum(w**2), opt, steps=3, global_step=gs)
+        # one warning, not one per attribute holding the rate (it was said twice)
+        said = [w for w in caught if "is a tensor computed" in str(w.message)]
+        assert len(said) == 1, [str(w.message) for w in said]
         with pytest.raises(TypeError, match="`global_step`"):
             v1.fuse(lambda: tf.reduce_sum(w**2), opt, steps=3, global_step=3)
 
@@ -625,3 +629,33 @@ def test_var_list_none_skips_variables_read_without_a_gradient_as_minimize_does(
         s, f = build(kind)
         assert [v.name for v in f.var_list] == ["w:0"]
         np.testing.assert_allclose(f.run(s).loss, ref, rtol=1e-6)
+
+
+def test_a_var_list_variable_no_gradient_reaches_is_left_alone_as_minimize_does():
+    # minimize skips it; fuse refused the whole var_list (naming an internal lambda).
+    def build(kind):
+        g = tf.Graph()
+        with g.as_default():
+            w = tf1.get_variable("w", initializer=tf.constant([3.0, -1.0]))
+            other = tf1.get_variable("other", initializer=tf.constant(2.0))
+            loss_fn = lambda: tf.reduce_sum(w**2)  # noqa: E731
+            opt = tf1.train.AdamOptimizer(0.1)
+            if kind == "plain":
+                loss = loss_fn()
+                handle = (opt.minimize(loss, var_list=[w, other]), loss)
+            else:
+                with pytest.warns(UserWarning, match=r"no gradient reaches \['other:0'\]"):
+                    handle = v1.fuse(loss_fn, opt, steps=3, var_list=[w, other], mode=kind)
+            init = tf1.global_variables_initializer()
+        s = tf1.Session(graph=g)
+        s.run(init)
+        return s, handle, (w, other)
+
+    r, (op, loss), (rw, _) = build("plain")
+    ref = [r.run([loss, op])[0] for _ in range(3)]
+    for kind in ("fused", "stepwise"):
+        s, f, (w, other) = build(kind)
+        assert [v.name for v in f.var_list] == ["w:0"]
+        np.testing.assert_allclose(f.run(s).loss, ref, rtol=1e-6)
+        np.testing.assert_allclose(s.run(w), r.run(rw), rtol=1e-6)
+        assert s.run(other) == 2.0

@@ -4,6 +4,7 @@ a run reads its results."""
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import tensorflow as tf
@@ -119,11 +120,21 @@ class Fused(Fit):
     trial: dict[bool, Any] | None = None  # jit_compile="auto": each loop's one-call program
     shadow: Any = None  # jit_compile="auto": `_v1_loop.Shadow`
 
+    def __init__(self, **kw: Any):
+        super().__init__(**kw)
+        self._told: weakref.WeakSet = weakref.WeakSet()  # sessions the choice was written in
+
     def decide(self, sess: Any, feed_dict: dict | None = None, steps: int | None = None) -> dict:
         """With ``jit_compile="auto"``, time the XLA loop against TensorFlow's kernels on
         this feed (each trial run undone) and keep the faster for every later run, bare
-        ``sess.run(train_op)`` included; the first `run` calls it. Returns ``plan``."""
-        if self.plan["xla"] is not None or self.trial is None:
+        ``sess.run(train_op)`` included; the first `run` calls it. Once decided, writes the
+        choice into ``sess`` (a new session, or one whose variables were initialised again:
+        `run` does it once per session). Returns ``plan``."""
+        if self.trial is None:
+            return self.plan
+        if self.plan["xla"] is not None:
+            sess.run(self.shadow.choose, {self.shadow.pick: int(self.plan["xla"])})
+            self._told.add(sess)
             return self.plan
         feed = dict(feed_dict or {})
         if steps is not None:
@@ -147,6 +158,7 @@ class Fused(Fit):
             plan = timed(run, n, min(n, self.chunk))
             sess.run(shadow.choose, {shadow.pick: int(plan["xla"])})
         self.plan, self.jit_compile = plan, bool(plan["xla"])
+        self._told.add(sess)
         return plan
 
     def run(self, sess: Any, feed_dict: dict | None = None, steps: int | None = None) -> Trace:
@@ -164,8 +176,9 @@ class Fused(Fit):
             n = _check_run_steps(steps, self.max_steps)
             if self.max_steps is None or n != self.opts.steps:  # a feed costs time each run
                 feed[self.steps] = n
-        if self.plan["xla"] is None:  # jit_compile="auto": the first run times both loops
-            self.decide(sess, feed)
+        if self.trial is not None and sess not in self._told:
+            self.decide(sess, feed)  # "auto": the first run times both loops; a new session
+            # gets the choice the bare `train_op` reads (its variable starts at XLA)
         # One fetch (and the evaluations' buffers): each fetched tensor costs sess.run time.
         direct = self.direct[bool(self.plan["xla"])]
         fetches = direct[0] if self.eval_buffers is None else direct

@@ -10,7 +10,7 @@ from typing import Any
 import tensorflow as tf
 
 from .._core import Described
-from ._checks import _check_loss, _fail
+from ._checks import _check_loss, _fail, _random_ops
 from ._loop import _all_finite
 from ._probe import resource_writes
 
@@ -110,6 +110,64 @@ def _variable_reads(tensor: Any) -> list:
     return reads
 
 
+def _random_draws(loss: Any) -> tuple[str, ...]:
+    """The random-number op types ``loss`` is computed with (``tf1.nn.dropout``'s
+    ``RandomUniform`` ...), found from its ancestors and the functions they call (a
+    ``tf.cond``'s branches ...): the variables' random initializers are not among them (a
+    read starts at the handle)."""
+    types, seen, todo, called = set(), set(), [loss.op], []
+    while todo:
+        op = todo.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        types.add(op.type)
+        called += _functions_called(op.node_def)
+        todo.extend(t.op for t in op.inputs)
+        todo.extend(op.control_inputs)
+    if called:
+        library = {f.signature.name: f for f in loss.graph.as_graph_def().library.function}
+        done: set[str] = set()
+        while called:
+            name = called.pop()
+            if name in done or name not in library:
+                continue
+            done.add(name)
+            for node in library[name].node_def:
+                types.add(node.op)
+                called += _functions_called(node)
+    return _random_ops(types)
+
+
+def _functions_called(node_def: Any) -> list[str]:
+    """The names of the functions a node's attributes name (a call's ``f``, a ``tf.cond``'s
+    branches, a while loop's body and condition)."""
+    names = []
+    for a in node_def.attr.values():
+        if a.HasField("func"):
+            names.append(a.func.name)
+        elif a.HasField("list"):
+            names += [f.name for f in a.list.func]
+    return names
+
+
+def _without_xla_for(drawn: tuple[str, ...]) -> dict[str, Any]:
+    """The plan of a fused loop whose loss draws random numbers: TensorFlow's kernels
+    (XLA draws other numbers from the same seeds, and a ``"auto"`` trial would use up
+    draws of the plain loop's), with a warning."""
+    ops = ", ".join(drawn)
+    warnings.warn(
+        f"stepfuse.tf.v1: the loss draws random numbers (ops: {ops}; e.g. tf1.nn.dropout), "
+        "and XLA draws other numbers than TensorFlow's own kernels from the same seeds, so "
+        "an XLA loop would not train as the plain minimize loop does. The loop runs on "
+        "TensorFlow's kernels (fused.jit_compile is False; slower for small models). Pass "
+        "jit_compile=False to silence this.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return {"xla": False, "reason": f"the loss draws random numbers ({ops})"}
+
+
 def _warn_stale_hyper_parameters(optimizer: Any, state: Any) -> None:
     """Warn where a hyper-parameter of ``optimizer`` is a tensor computed from a variable
     the loop changes (a learning rate decaying with the global step): the loop reads it
@@ -118,21 +176,25 @@ def _warn_stale_hyper_parameters(optimizer: Any, state: Any) -> None:
     learning rate of a callable, AdagradDA's global step) then belongs to the loop's body,
     even where an earlier ``minimize`` of the user's left one of its own graph."""
     handles = {v.handle.name for v in state if getattr(v, "handle", None) is not None}
-    for name, value in sorted(vars(optimizer).items()):
-        if not isinstance(value, tf.Tensor) or value.dtype == tf.resource:
-            continue
-        if value.graph is not tf1.get_default_graph():  # made inside the loop's body
-            continue
-        if _handles_read(value) & handles:
-            warnings.warn(
-                f"stepfuse.tf.v1: the optimizer's {name.lstrip('_')} is a tensor computed from a "
-                "variable the loop changes (the global step?): it is read once per run, so every "
-                "step of a run uses the same value. Give the optimizer a callable instead, e.g. "
-                "learning_rate=lambda: tf1.train.exponential_decay(..., global_step, ...), which it "
-                "evaluates at every step.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+    stale = [  # (one warning: GradientDescent keeps its rate as `_learning_rate` and a tensor)
+        name.lstrip("_")
+        for name, value in sorted(vars(optimizer).items())
+        if isinstance(value, tf.Tensor)
+        and value.dtype != tf.resource
+        and value.graph is tf1.get_default_graph()  # (not made inside the loop's body)
+        and _handles_read(value) & handles
+    ]
+    if stale:
+        warnings.warn(
+            f"stepfuse.tf.v1: the optimizer's {stale[0]} is a tensor computed from a "
+            "variable the loop changes (the global step?): it is read once per run, so every "
+            "step of a run uses the same value. Give the optimizer a callable instead, e.g. "
+            "learning_rate=lambda: tf1.train.exponential_decay(..., global_step, ...), which it "
+            "evaluates at every step."
+            + (f" (It holds it as {', '.join(stale[1:])} too.)" if stale[1:] else ""),
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _reuse_scope():
@@ -222,6 +284,17 @@ def _prepare(loss_fn, optimizer, var_list, shown=None):
     else:
         found = ""
     var_list = _check_var_list(var_list, given, found)
+    if given is not None:  # as minimize: a variable no gradient reaches is left alone
+        grads = tf.gradients(loss0, var_list, unconnected_gradients="none")
+        unreached = [v for v, g in zip(var_list, grads) if g is None]
+        if unreached and len(unreached) < len(var_list):
+            warnings.warn(
+                f"stepfuse.tf.v1: no gradient reaches {[v.name for v in unreached]} of "
+                "var_list from the loss: the fit leaves them alone, as optimizer.minimize "
+                "does (no update, no slots). Leave them out of var_list to silence this.",
+                stacklevel=4,
+            )
+            var_list = [v for v, g in zip(var_list, grads) if g is not None]
     # Slot and non-slot variables (momentum, Adam moments and beta powers) are created
     # here, outside the loop, so the loop body only reads and writes them.
     create = getattr(optimizer, "_create_slots", None)
@@ -283,19 +356,21 @@ def _stale_reads(loss: Any, state: Any) -> list:
     return stale
 
 
-def _step_ops(loss_fn, optimizer, var_list, state, global_step=None):
+def _step_ops(loss_fn, optimizer, var_list, state, global_step=None, shown=None):
     """One proposed step, ops ordered explicitly: ``(loss, snapshot, new, ok)``, the state
     before and after the optimizer's update and whether loss, gradients and new state are
-    all finite (the caller keeps or restores the update)."""
+    all finite (the caller keeps or restores the update). ``shown``: the user's function,
+    where ``loss_fn`` wraps it (for messages)."""
+    shown = loss_fn if shown is None else shown
     with _reuse_scope():
-        loss = _check_loss(loss_fn(), loss_fn)
+        loss = _check_loss(loss_fn(), shown)
         inside = hasattr(tf1.get_default_graph(), "captures")  # the loop's body
         stale = _stale_reads(loss, state) if inside else []
         if stale:
             _fail(
                 ValueError,
                 "loss_fn",
-                Described(f"a loss that reads {[t.name for t in stale]}", loss_fn),
+                Described(f"a loss that reads {[t.name for t in stale]}", shown),
                 "a function that builds the loss from the variables each time it is called",
                 "Those tensors were built outside loss_fn from the variables the loop trains: "
                 "inside the loop each would keep the value it had when the run started, so "
@@ -309,7 +384,7 @@ def _step_ops(loss_fn, optimizer, var_list, state, global_step=None):
         _fail(
             ValueError,
             "loss_fn",
-            loss_fn,
+            shown,
             "a loss that depends on every variable in var_list",
             f"No gradient reaches {missing}: use those variables in loss_fn or leave them "
             "out of `var_list`. (If loss_fn makes its variables with tf.Variable or a new Keras "

@@ -30,9 +30,11 @@ from ._v1_graph import (
     _check_loss_fn,
     _check_optimizer,
     _prepare,
+    _random_draws,
     _step_ops,
     _variable_reads,
     _warn_stale_hyper_parameters,
+    _without_xla_for,
 )
 from ._v1_loop import Carry, Shadow, tail, tail_size
 
@@ -101,7 +103,9 @@ def fuse(
         ``sess.run(fused.train_op)`` runs the XLA loop. ``True`` XLA-compiles the step loop
         (much faster per step than a plain graph loop on small models:
         docs/internals/tf.md); an op XLA can't compile makes the first ``sess.run`` fail
-        with an XLA error: rebuild with ``jit_compile=False``. ``False``: without XLA.
+        with an XLA error: rebuild with ``jit_compile=False``. ``False``: without XLA. A
+        loss that draws random numbers (``tf1.nn.dropout``) runs without XLA whatever is
+        given, with a warning (XLA draws other numbers from the same seed).
       global_step: an integer variable incremented by each applied update, as with
         ``optimizer.minimize(loss, global_step=...)`` (not by a refused one). A learning
         rate that decays with it must be given as a callable, e.g. ``learning_rate=lambda:
@@ -217,6 +221,11 @@ def fuse(
     loss0, var_list, state, writes = _prepare(first, optimizer, var_list, shown=loss_fn)
     if global_step is not None and all(v is not global_step for v in state):
         state = state + [global_step]  # a refused update leaves it too; stepwise commits it
+    plan = given(jit_compile)
+    drawn = _random_draws(loss0)
+    if drawn and mode != "stepwise" and jit_compile is not False:
+        plan = _without_xla_for(drawn)
+        jit_compile, auto, flags = False, False, (False,)
     if mode == "stepwise":
         return _build_stepwise(
             loss_fn,
@@ -253,7 +262,7 @@ def fuse(
     def guarded(args):
         """One step on ``loss_fn(*args)``: ``(loss, ok)``, the update kept only if ok."""
         loss, snapshot, new, ok = _step_ops(
-            lambda: loss_fn(*args), optimizer, var_list, state, global_step
+            lambda: loss_fn(*args), optimizer, var_list, state, global_step, shown=loss_fn
         )
 
         def keep():
@@ -445,7 +454,7 @@ def fuse(
         opts=opts,
         optimizer=optimizer,
         jit_compile=bool(jit_compile),
-        plan=given(jit_compile),
+        plan=plan,
         direct=direct,
         trial=trial if auto else None,
         shadow=shadow,
@@ -478,7 +487,7 @@ def _build_stepwise(
     if streams is not None:
         args = streams.stepwise(None if counter is None else counter.read_value())
     loss, snapshot, new, finite = _step_ops(
-        lambda: loss_fn(*args), optimizer, var_list, state, global_step
+        lambda: loss_fn(*args), optimizer, var_list, state, global_step, shown=loss_fn
     )
     with tf.control_dependencies(new + [finite, loss]):
         restore = tf.group(*[v.assign(old) for v, old in zip(state, snapshot)])
