@@ -189,11 +189,13 @@ def _print_demo(r: SeedResult) -> None:
     console.print(
         f"check: row k of the {r.steps}-step table == row {r.steps}*k of the 1-step table: "
         f"[bold]{verdict}[/bold] (max |diff| {r.max_abs_diff:.2e})"
-        + ("  \\[stale gradient: the first gradient applied N times]" if r.stale_gradient else "")
+        + ("  \\[stale gradient: the first gradient applied N times]" if r.stale_gradient else ""),
+        soft_wrap=True,  # (one line in a log too: a pipe gets rich's 80 columns)
     )
     console.print(
         f"time per step: fused {r.fused_us_per_step:.2f} us, one step per call "
-        f"{r.stepwise_us_per_step:.2f} us -> [bold]{r.speedup:.1f}x[/bold] faster fused"
+        f"{r.stepwise_us_per_step:.2f} us -> [bold]{r.speedup:.1f}x[/bold] faster fused",
+        soft_wrap=True,
     )
 
 
