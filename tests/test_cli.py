@@ -1,8 +1,8 @@
 """The command line: `stepfuse demo` per installed backend, `stepfuse bench --quick`, bad input."""
 
 import json
-import re
 import math
+import re
 import subprocess
 import sys
 import time

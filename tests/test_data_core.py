@@ -85,6 +85,11 @@ def test_indices_and_batch_follow_the_documented_formula():
         ((np.float32(3.0),), {"batch_size": 1}, "leading axis"),
         ((np.zeros(5),), {"batch_size": 2, "seed": -1}, "seed"),
         ((np.zeros(5),), {"batch_size": 2, "shuffle": 1}, "shuffle"),
+        # arrays of no numbers passed the checks, then failed in each framework's converter
+        ((np.array([1.0, "a"], dtype=object),), {"batch_size": 1}, r"\[0\]` .*dtype object"),
+        ((np.zeros(4), np.array(list("abcd"))), {"batch_size": 2}, r"\[1\]` .*dtype <U1"),
+        ((np.zeros(2, dtype=[("a", "f4")]),), {"batch_size": 1}, r"dtype \[\('a', '<f4'\)\]"),
+        ((np.array(["2020-01-01"] * 2, dtype="M8[D]"),), {"batch_size": 1}, "datetime64"),
     ],
 )
 def test_epochs_refuses_bad_input(args, kwargs, match):
@@ -100,6 +105,7 @@ def test_epochs_refuses_bad_input(args, kwargs, match):
         ((np.zeros((3, 2)), "text"), r"Batches\(\*arrays\)\[1\]"),
         ((np.float64(1.0),), "leading axis"),
         (({"x": np.zeros((3, 2))},), r"a dict \(dict\)\. Pass its arrays .*sorted key order"),
+        ((np.zeros((3, 2), dtype=object),), r"numbers or booleans.*np\.unique"),
     ],
 )
 def test_batches_refuses_bad_input(args, match):
@@ -159,6 +165,13 @@ def test_from_iterable_refuses_short_ragged_and_partial():
         sf.Batches.from_iterable(5, 1)
 
 
+def test_streams_take_numbers_of_every_dtype():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    for dtype in (bool, np.uint8, np.int64, np.float16, np.complex64, ml_dtypes.bfloat16):
+        assert sf.Epochs(np.ones((4, 2), dtype), batch_size=2).rows == 4
+        assert sf.Batches(np.ones((3, 2), dtype)).n == 3
+
+
 def test_feed_splits_streams_and_fixed_arguments():
     xs, ys, w = np.zeros((6, 2, 3)), np.zeros((6, 2)), np.ones(3)
     data = sf.Epochs(np.zeros((10, 3)), np.zeros(10), batch_size=5, seed=1)
@@ -187,6 +200,9 @@ def test_feed_splits_streams_and_fixed_arguments():
         ("gather", (10, 3), ("rows", 0)),
         ("gather", (10,), ("rows", 0)),
     )
+    two = feed_of((sf.Batches(xs), sf.Batches(ys[:4]), w))  # the message named neither
+    with pytest.raises(ValueError, match=r"^The call's argument 1 \(of 2 `Batches`\): .* holds 4"):
+        two.check_steps(5)
     plain = feed_of((xs, w))
     assert not plain.streams and plain.batches is None
     plain.check_steps(10**6)

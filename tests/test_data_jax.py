@@ -156,6 +156,18 @@ def test_batches_over_calls_fused_equals_stepwise_and_plain() -> None:
     agree_with_plain(runs, plain(list(zip(XS, YS))))
 
 
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_batches_of_another_frameworks_tensors_equal_numpys(framework: str) -> None:
+    # They passed the stream check, then jit refused them ("as an abstract array").
+    mod = pytest.importorskip(framework)
+    convert = mod.from_numpy if framework == "torch" else mod.constant
+    fit = make()
+    want = fit(fit.init(P0), sf.Batches(XS, YS), steps=6)
+    got = fit(fit.init(P0), sf.Batches(convert(XS), convert(YS)), steps=6)
+    for a, b in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_fixed_arguments_beside_streams() -> None:
     y_fixed = YS[0]
     fit = make()

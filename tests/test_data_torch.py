@@ -518,3 +518,39 @@ def test_benchmark_script_runs(benchmark_script, monkeypatch):
     assert [r["contender"] for r in rows] == list(data.CONTENDERS["torch"])
     assert rows[0]["mode"] == "fused"
     assert all(r["us_per_step"] > 0 for r in rows)
+
+
+def test_numpy_arrays_with_negative_strides_are_taken() -> None:
+    # x[::-1] failed with torch's "negative stride" error (JAX and TF took it).
+    g = np.random.default_rng(3)
+    x = g.normal(size=(8, 3)).astype(np.float32)[::-1]
+    y = g.normal(size=(8,)).astype(np.float32)[::-1]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    plain = torch.nn.Linear(3, 1)
+    plain.load_state_dict(model.state_dict())
+
+    def loss(m, a, b):
+        return ((m(a)[:, 0] - b) ** 2).mean()
+
+    fit = sft.fuse(
+        lambda a, b: loss(model, a, b),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        steps=4,
+        model=model,
+        mode="stepwise",
+    )
+    data = sf.Epochs(x, y, batch_size=4, seed=2)
+    trace = fit(data)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    want = []
+    for t in range(4):
+        a, b = (torch.from_numpy(np.ascontiguousarray(v)) for v in data.batch(t))
+        opt.zero_grad()
+        out = loss(plain, a, b)
+        out.backward()
+        opt.step()
+        want.append(out.item())
+    np.testing.assert_allclose(trace.loss, want, rtol=1e-6)
+    xs = x[:8].reshape(2, 4, 3)[::-1]
+    assert fit(sf.Batches(xs, y.reshape(2, 4)), steps=2).steps == 2

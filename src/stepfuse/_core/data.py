@@ -60,6 +60,17 @@ def _dims(a: Any) -> tuple[Any, ...] | None:
     return tuple(getattr(d, "value", d) for d in shape)  # (TF1 `Dimension`s hold .value)
 
 
+def _not_numbers(a: Any) -> str:
+    """The dtype of an array that holds no numbers (NumPy object, string, structured or
+    date arrays; TensorFlow strings), else ``""``."""
+    dtype = getattr(a, "dtype", None)
+    if isinstance(dtype, np.dtype):  # (ml_dtypes' bfloat16, float8 ...: kind "V", no fields)
+        custom = dtype.kind == "V" and dtype.names is None and dtype.isbuiltin == 2
+        return "" if dtype.kind in "biufc" or custom else str(dtype)
+    name = getattr(dtype, "name", "")
+    return name if name in ("string", "variant", "resource") else ""
+
+
 def _check_arrays(cls: str, arrays: Sequence[Any], what: str, unknown: bool = False) -> int | None:
     """The common leading length of ``arrays``, or a ValueError naming the offending one.
 
@@ -88,6 +99,16 @@ def _check_arrays(cls: str, arrays: Sequence[Any], what: str, unknown: bool = Fa
                     if isinstance(a, Mapping)
                     else "Convert it first, e.g. np.asarray(data); a stream holds arrays only."
                 ),
+            )
+        kind = _not_numbers(a)
+        if kind:
+            fail(
+                ValueError,
+                f"{cls}(*arrays)[{j}]",
+                Described(f"an array of dtype {kind}", a),
+                "an array of numbers or booleans (the loop reads it on the device)",
+                "Encode it first, e.g. np.unique(labels, return_inverse=True)[1] for string "
+                "labels, or np.asarray(column, dtype=np.float32) for an object array.",
             )
         dims = _dims(a)
         if dims is not None and len(dims) == 0:
@@ -430,6 +451,12 @@ class Slot:
     seed: int = 0
 
 
+def _short(slot: Slot, arrays: tuple[Any, ...], n: int) -> bool:
+    """A `Batches` slot of fewer than ``n`` minibatches."""
+    dims = _dims(arrays[0]) if slot.kind == "batches" else None
+    return dims is not None and len(dims) > 0 and dims[0] is not None and int(dims[0]) < n
+
+
 @dataclasses.dataclass(frozen=True)
 class Feed:
     """A call's arguments split into the layout a program is built for (`slots`, hashable:
@@ -457,10 +484,16 @@ class Feed:
         return tuple(k for k, s in enumerate(self.slots) if s.kind == "epochs")
 
     def check_steps(self, n: int) -> None:
-        """A ValueError if a `Batches` holds fewer minibatches than the call's ``n`` steps."""
+        """A ValueError if a `Batches` holds fewer minibatches than the call's ``n`` steps
+        (which one, where the call has several)."""
         if self.batches is not None and self.batches < n:
+            at = [k for k, s in enumerate(self.slots) if s.kind == "batches"]
+            which = ""
+            if len(at) > 1:
+                k = next(k for k, (s, a) in enumerate(self.spans()) if _short(s, a, n))
+                which = f"The call's argument {k} (of {len(at)} `Batches`): "
             raise ValueError(
-                f"`Batches` holds {self.batches} minibatches but the call runs {n} steps: "
+                which + f"`Batches` holds {self.batches} minibatches but the call runs {n} steps: "
                 "its leading axis must be at least the call's steps. "
                 + (f"Pass steps={self.batches} to the call, or s" if self.batches else "S")
                 + f"tack {n} minibatches."

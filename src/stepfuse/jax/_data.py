@@ -128,6 +128,11 @@ def _is_tracer(a: Any) -> bool:
     return isinstance(a, jax.core.Tracer)
 
 
+def _foreign(a: Any) -> bool:
+    """An array of another framework (a torch or TensorFlow tensor)."""
+    return type(a).__module__.split(".")[0] in ("torch", "tensorflow")
+
+
 def _put(a: Any) -> jax.Array:
     with jax.ensure_compile_time_eval():  # concrete, even while a user's jit traces the call
         return jnp.asarray(a)
@@ -145,6 +150,8 @@ def prepare(batch: tuple, n: int) -> tuple:
     for b in batch:
         if isinstance(b, Batches):
             Batches(*b.arrays)  # the core's checks, on the arrays this call holds
+            if any(map(_foreign, b.arrays)):  # (jit takes no torch or TF tensors)
+                b = _batches_of(None, [_put(a) if _foreign(a) else a for a in b.arrays])
         elif isinstance(b, Epochs):
             Epochs(*b.arrays, batch_size=b.batch_size, shuffle=b.shuffle, seed=b.seed)
             if not any(map(_is_tracer, b.arrays)):

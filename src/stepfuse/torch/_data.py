@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -75,7 +76,12 @@ def _place(a: Any, device: torch.device, copy: bool = False) -> torch.Tensor:
     changed in place after the first call is not seen, on the CPU as on a GPU)."""
     if isinstance(a, torch.Tensor):
         return a.detach()
-    return (torch.tensor if copy else torch.as_tensor)(np.asarray(a), device=device)
+    array = np.asarray(a)
+    if any(s < 0 for s in array.strides):  # (x[::-1]: torch takes no negative strides)
+        array = np.ascontiguousarray(array)
+    with warnings.catch_warnings():  # (a read-only memmap, shared: the fit only reads it)
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        return (torch.tensor if copy else torch.as_tensor)(array, device=device)
 
 
 class Fed:
