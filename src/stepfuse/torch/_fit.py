@@ -52,6 +52,8 @@ from . import _changes, _cuda, _data, _eager, _eval, _plan, _program, _ranks
 from ._draws import draws_verified
 from ._failure import build_failure, prove
 from ._probe import (
+    GENERATORS,
+    UNUSED,
     BatchError,
     Resolved,
     Trainable,
@@ -165,11 +167,8 @@ class Fit:
 
     def _fall_back(self, reason: str) -> None:
         self.mode, self.fallback_reason = "stepwise", reason
-        warnings.warn(
-            f"stepfuse.torch: running mode='stepwise' instead of 'fused': {reason}",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+        text = f"stepfuse.torch: running mode='stepwise' instead of 'fused': {reason}"
+        warnings.warn(text, RuntimeWarning, stacklevel=4)
 
     # -- building the fused program -------------------------------------------------------
 
@@ -386,8 +385,8 @@ class Fit:
         grad = [p for p in self._params if p.requires_grad]
         got = probe_loss(self.loss_fn, grad, self._modules, batch)
         self._loss_dtype = got.dtype
-        if all(got.unused) and self.mode == "fused":  # only parameters it does not hold
-            self._fall_back("loss_fn uses none of the optimizer's parameters on this batch.")
+        if self.mode == "fused" and (got.generators or all(got.unused)):
+            self._fall_back(GENERATORS if got.generators else UNUSED)  # (`_probe`'s reasons)
         if (self._plan is None and self.mode == "fused") or (got.draws and self.chunk > 1):
             # With random draws (dropout) one step a chunk: see `_plan.choose`.
             self._plan = _plan.choose(

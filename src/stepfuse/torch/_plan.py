@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ._probe import cuda_devices, hold_buffers
+from ._probe import KeptGenerators, cuda_devices, hold_buffers
 from ._state import put_back
 
 __all__ = [
@@ -103,7 +103,7 @@ def forward_size(
     params = [p for m in modules for p in m.parameters()]
     try:
         with torch.random.fork_rng(devices=cuda_devices([*params, *batch])), torch.no_grad():
-            with _Count() as count:
+            with KeptGenerators(), _Count() as count:
                 loss_fn(*batch)
     finally:
         put_back(held)

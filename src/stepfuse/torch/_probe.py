@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._core import Described, fail
@@ -43,6 +44,9 @@ __all__ = [
     "needs_closure",
     "probe_loss",
     "resolve",
+    "GENERATORS",
+    "KeptGenerators",
+    "UNUSED",
     "rng_states",
     "set_rng_states",
     "transient",
@@ -259,6 +263,46 @@ def cuda_devices(tensors: Sequence[Any]) -> list[int]:
     )
 
 
+# Fallback reasons a probe gives (`Probed`).
+UNUSED = "loss_fn uses none of the optimizer's parameters on this batch."
+GENERATORS = (
+    "loss_fn draws from a torch.Generator it holds (e.g. torch.randn(..., generator=g)), "
+    "which a compiled program cannot draw from (dynamo refuses Generator objects). The steps "
+    "run eagerly and draw what the plain loop draws; draws from torch's own generator "
+    "(torch.manual_seed) run fused."
+)
+
+
+class KeptGenerators(TorchFunctionMode):
+    """Within it, each ``torch.Generator`` a torch function is given (``torch.randn(...,
+    generator=g)``) gets its state back on exit: the fit's own eager forward passes (the
+    probe, the plan's count) draw nothing from a user's generator, as they draw nothing
+    from torch's own (``fork_rng``). ``found``: whether any was given. A function mode
+    (not a dispatch mode): it changes no kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.saved: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
+
+    @property
+    def found(self) -> bool:
+        return bool(self.saved)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for v in (*args, *kwargs.values()):
+            if isinstance(v, torch.Generator) and id(v) not in self.saved:
+                self.saved[id(v)] = (v, v.get_state())
+        return func(*args, **kwargs)
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            for g, state in self.saved.values():
+                g.set_state(state)
+
+
 class _RandomOps(TorchDispatchMode):
     """Records the random ops (torch's ``nondeterministic_seeded`` tag) a forward runs."""
 
@@ -291,6 +335,8 @@ class Probed(NamedTuple):
     """Whether the forward drew random numbers (dropout)."""
     random_ops: tuple[str, ...] = ()
     """The random aten ops it ran (names, for a fallback reason)."""
+    generators: bool = False
+    """Whether it drew from a ``torch.Generator`` it was given (`KeptGenerators`)."""
 
 
 def probe_loss(
@@ -329,19 +375,19 @@ def probe_loss(
     saved = hold_buffers(modules)
     cuda = cuda_devices([*params, *batch])
     try:
-        with torch.random.fork_rng(devices=cuda):
+        with torch.random.fork_rng(devices=cuda), KeptGenerators() as kept:
             before = rng_states(cuda)
             dtype, unused = _check_loss(loss_fn, params, batch)
             draws = any(not torch.equal(a, b) for a, b in zip(before, rng_states(cuda)))
         ops: tuple[str, ...] = ()
         if draws:  # again, to name the random ops (a dispatch mode can change kernels)
             put_back(saved)
-            with torch.random.fork_rng(devices=cuda), _RandomOps() as rec:
+            with torch.random.fork_rng(devices=cuda), KeptGenerators(), _RandomOps() as rec:
                 _check_loss(loss_fn, params, batch)
             ops = tuple(rec.ops)
     finally:
         put_back(saved)
-    return Probed(dtype, unused, draws, ops)
+    return Probed(dtype, unused, draws, ops, kept.found)
 
 
 def _check_loss(
