@@ -800,3 +800,40 @@ def test_auto_trial_reports_a_step_below_the_noise_as_unresolved(one, many, expe
         assert "below the calls' noise" in plan["reason"] and "0.0 us" not in plan["reason"]
     else:
         assert "ran a step in 5.0 us (calls of 1 and 6 steps)" in plan["reason"]
+
+
+def test_tfs_stateful_random_ops_are_named_with_what_they_draw():
+    # tf.random.normal draws other numbers in a tf.function than eagerly (TensorFlow's
+    # behaviour): the fit equals the plain loop inside a tf.function, and now says so.
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+
+    def build():
+        w = tf.Variable(tf.ones((4, 1)))
+
+        def loss_fn(a):
+            return tf.reduce_mean((a @ w + 0.3 * tf.random.normal((16, 1))) ** 2)
+
+        return w, loss_fn, keras.optimizers.SGD(0.05)
+
+    tf.random.set_seed(5)
+    w, loss_fn, opt = build()
+
+    @tf.function
+    def step(a):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(a)
+        opt.apply_gradients([(tape.gradient(loss, w), w)])
+        return loss
+
+    want = [float(step(x)) for _ in range(3)]
+    tf.random.set_seed(5)
+    w2, loss_fn2, opt2 = build()
+    fit = sf.fuse(loss_fn2, opt2, [w2], steps=3, jit_compile=False)
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"stateful random ops \(RandomStandardNormal; .*"
+        r"tf\.random\.Generator",
+    ):
+        trace = fit(x)
+    np.testing.assert_allclose(trace.loss, want, rtol=1e-6)
+    np.testing.assert_allclose(w2.numpy(), w.numpy(), rtol=1e-6)

@@ -34,6 +34,22 @@ except ImportError:  # pragma: no cover - other TF versions: the variables fuse 
 
 __all__ = ["Probe", "avoid_xla", "hold", "probe", "resource_writes", "variables_written"]
 
+# TensorFlow's stateful random ops seeded from the graph seed (and their op seed): a
+# tf.function draws other numbers from them than eager execution does.
+_SEEDED_BY_GRAPH = frozenset(
+    {
+        "RandomStandardNormal",
+        "RandomUniform",
+        "RandomUniformInt",
+        "TruncatedNormal",
+        "RandomShuffle",
+        "Multinomial",
+        "RandomGamma",
+        "RandomPoisson",
+        "RandomPoissonV2",
+        "ParameterizedTruncatedNormal",
+    }
+)
 # Ops that advance a random generator's state; and the names of the state variables a
 # Keras SeedGenerator and a tf.random.Generator make.
 _RANDOM_STATE_OPS = ("Rng", "Stateful")
@@ -81,6 +97,18 @@ def probe(fit: Any, batch: Any) -> Probe:
     loss = concrete.structured_outputs
     op_types = _op_types(concrete.graph.as_graph_def())
     written, random_states = variables_written(concrete.graph)
+    legacy = sorted(op_types & _SEEDED_BY_GRAPH)
+    if legacy:
+        warnings.warn(
+            f"stepfuse.tf: loss_fn draws with TensorFlow's stateful random ops ({', '.join(legacy)}"
+            "; e.g. tf.random.normal, tf.image.random_flip_left_right), which draw other "
+            "numbers inside a tf.function than eagerly under the same global seed "
+            "(TensorFlow's behaviour). The fit draws what a GradientTape loop inside a "
+            "tf.function draws, not an eager one. To draw the same numbers in both, use a "
+            "tf.random.Generator or keras.random with a keras.random.SeedGenerator.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
     return Probe(
         dtype=tf.float64 if loss.dtype.base_dtype == tf.float64 else tf.float32,
         random_ops=_random_ops(op_types),
