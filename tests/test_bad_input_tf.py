@@ -115,6 +115,8 @@ def _loss(case):
             "none": lambda x, y: None,
             "reads_no_variable": lambda x, y: ce(y, tf.matmul(x, tf.stop_gradient(w.k))),
             "numpy_read": lambda x, y: ce(y, tf.matmul(x, w.k.numpy()) + w.b),
+            "pair": lambda x, y: (w.loss(x, y), tf.reduce_mean(x)),  # (loss, aux)
+            "new_variable": lambda x, y: ce(y, tf.matmul(x, tf.Variable(tf.ones((2, 2))))) + w.b[0],
         }[case]
 
     return f
@@ -154,6 +156,13 @@ TF2_CASES = [
         for c in ("vector", "integer", "string", "none", "reads_no_variable", "numpy_read")
         for m in ("fused", "stepwise")
     ],
+    # (told to reduce "a tensor of shape (2,)"; and a new variable blamed `batch`)
+    ("loss (loss, aux)", lambda w: _call(w, {"loss": _loss("pair")(w)}), r"tuple of 2.*has_aux"),
+    (
+        "loss makes a variable",
+        lambda w: _call(w, {"loss": _loss("new_variable")(w)}),
+        r"^`loss_fn` must create no variables.*Build it once before fuse",
+    ),
     *[
         (f"batch {c} ({m})", lambda w, b=b, m=m: _call(w, {"mode": m}, batch=b), "`batch`")
         for c, b in (
@@ -513,3 +522,15 @@ def test_python_lists_as_arrays_get_a_short_error_with_the_fix():
     text = str(e.value)
     assert f"a list of {X.size} scalars" in text and "np.asarray" in text
     assert len(text) < 2000, len(text)
+
+
+def test_a_list_of_variables_is_described_briefly_naming_the_culprit_by_path():
+    # Its repr (every value of every variable) made a 14,000-character message.
+    model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(64), keras.layers.BatchNormalization()]
+    )
+    with pytest.raises(ValueError, match=r"moving_mean' has trainable=False") as err:
+        sf.fuse(lambda: 0.0, keras.optimizers.SGD(0.1), model.weights, steps=2)
+    msg = str(err.value)
+    assert len(msg) < 500 and "got a list of 6 items" in msg, msg
+    assert "batch_normalization/moving_mean" in msg, msg

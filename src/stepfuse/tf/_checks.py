@@ -8,6 +8,7 @@ from typing import Any, NoReturn
 import keras
 import tensorflow as tf
 
+from .._core import Described
 from .._core import fail as _options_fail
 
 
@@ -79,6 +80,8 @@ def _check_variables(variables: Any) -> list:
         "a tf.Module, or a built Keras model (e.g. model.trainable_variables)."
     )
     given = variables
+    if isinstance(variables, (list, tuple)):  # (its repr holds every value: say what it is)
+        given = Described(f"a {type(variables).__name__} of {len(variables)} items", variables)
     if hasattr(variables, "trainable_variables") and not isinstance(variables, (list, tuple)):
         variables = list(variables.trainable_variables)
         if not variables:
@@ -108,7 +111,7 @@ def _check_variables(variables: Any) -> list:
                 "variables",
                 given,
                 "a list of tf.Variable / keras.Variable only",
-                f"{v!r} is not a variable. " + fix,
+                f"{_short(v)} is not a variable. " + fix,
             )
         if not v.trainable:
             _fail(
@@ -116,7 +119,7 @@ def _check_variables(variables: Any) -> list:
                 "variables",
                 given,
                 "trainable variables",
-                f"{getattr(v, 'name', v)!r} has trainable=False. " + fix,
+                f"{_path(v)!r} has trainable=False. " + fix,
             )
         if not tf.as_dtype(v.dtype).is_floating:
             _fail(
@@ -124,12 +127,29 @@ def _check_variables(variables: Any) -> list:
                 "variables",
                 given,
                 "floating-point variables",
-                f"{getattr(v, 'name', v)!r} has dtype {tf.as_dtype(v.dtype).name}. " + fix,
+                f"{_path(v)!r} has dtype {tf.as_dtype(v.dtype).name}. " + fix,
             )
         if id(v) in seen:
-            _fail(ValueError, "variables", given, "a list without duplicates", fix)
+            _fail(
+                ValueError,
+                "variables",
+                given,
+                "a list without duplicates",
+                f"{_path(v)!r} is in it twice. " + fix,
+            )
         seen.add(id(v))
     return variables
+
+
+def _path(v: Any) -> str:
+    """A variable's path (``sequential/batch_normalization/moving_mean``), else its name."""
+    return str(getattr(v, "path", None) or getattr(v, "name", v))
+
+
+def _short(value: Any) -> str:
+    """A value's repr cut to 120 characters (an array's repr holds every value)."""
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _flat_batch(batch):
@@ -168,6 +188,16 @@ def _learning_rate_of(optimizer):
 
 
 def _check_loss(loss: Any, loss_fn: Any) -> Any:
+    if isinstance(loss, (tuple, list)):
+        _fail(
+            TypeError,
+            "loss_fn",
+            loss_fn,
+            "a function returning a scalar float tensor",
+            f"It returned a {type(loss).__name__} of {len(loss)}: stepfuse.tf has no has_aux; "
+            "return the loss alone (compute auxiliary values after the call, or record them "
+            "in a callback or eval_fn).",
+        )
     try:
         t = tf.convert_to_tensor(loss)
     except (TypeError, ValueError):
@@ -238,7 +268,8 @@ def _check_known(optimizer: Any, variables: Any) -> None:
             "an optimizer not yet built, or built for these variables",
             f"It was built for other variables, not for {unknown}. Create a new optimizer "
             "for this model (a Keras optimizer keeps its slots for the variables it was "
-            "built for).",
+            "built for; fuse builds it, so an earlier fuse with other variables that was "
+            "refused at its first call built it too).",
         )
 
 
@@ -269,6 +300,13 @@ def _batch_mismatch(error: Exception, batch: Any) -> Exception:
         getattr(t, "dtype", None) == tf.int32 and t.shape.rank == 0 for t in tf.nest.flatten(batch)
     )
     exc = TypeError if isinstance(error, TypeError) else ValueError
+    if "singleton tf.Variables created on the first call" in cause:
+        return exc(
+            f"`loss_fn` must create no variables; got one that made a new tf.Variable while "
+            f"traced on [{shapes}] ({cause}). A layer or variable made inside loss_fn is made "
+            "again on every call, so the fit could never train it. Build it once before fuse, "
+            "outside loss_fn (call a layer once on a batch), and pass it with the variables."
+        )
     return exc(
         f"`batch` must fit loss_fn; got {len(batch)} argument(s) [{shapes}] and "
         f"loss_fn(*batch) failed while tracing: {cause} -- Pass the tensors "
