@@ -46,12 +46,16 @@ __all__ = [
 INDUCTOR_OPTIONS: dict[str, Any] = {
     "cpp_wrapper": True,
     "fallback_random": True,
+    "emulate_precision_casts": True,
     "post_grad_custom_post_pass": RealizeScalars(),
 }
 """Inductor options of the fused program: the C++ wrapper runs the loop without Python;
 ``fallback_random`` has random ops (``torch.rand``, ``randn``, ``bernoulli`` ...) draw from
-torch's global generator, as in eager mode, rather than from inductor's own seeds; a step's
-scalars (Adam's bias corrections) computed once a step (`stepfuse.torch._scalars`)."""
+torch's global generator, as in eager mode, rather than from inductor's own seeds;
+``emulate_precision_casts`` rounds a float16/bfloat16 op's result where eager torch stores
+it (a float16 Adam state computed in float32 and rounded once kept a second moment that
+eager torch's float16 flushes to 0: 25% off in a step); a step's scalars (Adam's bias
+corrections) computed once a step (`stepfuse.torch._scalars`)."""
 
 CHUNK_OPTIONS: dict[str, Any] = {"fallback_random": True}
 """Inductor options of the CUDA chunk (`stepfuse.torch._cuda`)."""
