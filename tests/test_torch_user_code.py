@@ -98,6 +98,8 @@ def test_forward_state_and_autograd_are_left_as_the_plain_loop_leaves_them(net):
         ("Unsafe side effect: Attempted to mutate ConstDictVariable()", "in place"),
         ("body_fn might be modifying the input!", "max_norm"),
         ("Attempted to wrap sparse Tensor", "sparse=False"),
+        ("Data-dependent branching: torch.* op returned non-Tensor", "torch.where"),
+        ("Could not guard on data-dependent expression FloatTrueDiv(1.0, u0)", "momentum"),
         ("some other failure", None),
     ],
 )

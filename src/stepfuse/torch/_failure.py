@@ -58,6 +58,13 @@ _BUILD_HINTS = (
         "use a parametrization) to fuse.",
     ),
     (
+        ("Data-dependent branching", "Could not guard on data-dependent expression"),
+        "forward branches or loops on a tensor's value (`if x.sum() > 0`, `while h.norm() > "
+        "1`, a Python number from `.item()`; BatchNorm with momentum=None divides by the "
+        "batches counted). Use torch.where, a fixed number of iterations, or a BatchNorm "
+        "momentum, to fuse.",
+    ),
+    (
         ("Attempted to wrap sparse Tensor",),
         "the model makes sparse gradients (nn.Embedding(sparse=True)), which the fused "
         "program cannot take. Use sparse=False to fuse.",
