@@ -217,17 +217,21 @@ B_EVERY, B_TOL = 3, 2e-3
 B_CALLS = [(YS, 8), (YS, 8), (YS, 8), (YS_NAN, 8), (YS, 5)]
 
 
+def _sgd_evaluating_in_eval_mode(net: nn.Module, steps: int, every: int, **kw: Any) -> Any:
+    """SGD(0.05) on the squared error, ``eval_fn`` switching the model to eval mode."""
+    return sft.fuse(
+        _loss_of(net),
+        torch.optim.SGD(net.parameters(), lr=0.05),
+        steps=steps,
+        eval_fn=_eval_in_eval_mode(net),
+        eval_every=every,
+        **kw,
+    )
+
+
 def _fit_b(mode: str) -> tuple[Any, nn.Module]:
     model = _mlp(dropout=0.2)
-    fit = sft.fuse(
-        _loss_of(model),
-        torch.optim.SGD(model.parameters(), lr=0.05),
-        steps=8,
-        tol=B_TOL,
-        eval_fn=_eval_in_eval_mode(model),
-        eval_every=B_EVERY,
-        mode=mode,
-    )
+    fit = _sgd_evaluating_in_eval_mode(model, 8, B_EVERY, tol=B_TOL, mode=mode)
     return fit, model
 
 
@@ -451,15 +455,7 @@ def test_an_eval_fn_that_switches_to_train_mode_is_put_back_with_a_warning(mode:
     for m in (model, plain):
         m(X)  # running statistics of their own, which eval mode then reads
         m.eval()
-    fit = sft.fuse(
-        _loss_of(model),
-        torch.optim.SGD(model.parameters(), lr=0.05),
-        steps=4,
-        model=model,
-        eval_fn=_eval_in_eval_mode(model),
-        eval_every=2,
-        mode=mode,
-    )
+    fit = _sgd_evaluating_in_eval_mode(model, 4, 2, model=model, mode=mode)
     with pytest.warns(UserWarning, match=r"eval_fn leaves module attributes changed \(Sequent"):
         trace = fit(X, Y, eval_batch=(XV, YV))
     assert fit.mode == mode, fit.fallback_reason

@@ -605,57 +605,39 @@ def test_callback_numbering_survives_a_callback_error_in_a_bare_sess_run():
     assert got == [1, 2, 3, 4, 5]
 
 
-def test_var_list_none_skips_variables_read_without_a_gradient_as_minimize_does():
+@pytest.mark.parametrize("given", [False, True], ids=["var_list=None", "var_list given"])
+def test_variables_no_gradient_reaches_are_left_alone_as_minimize_leaves_them(given):
+    # var_list=None: a variable read through stop_gradient. A given var_list holding a
+    # variable the loss never reads was refused (naming an internal lambda): minimize skips it.
     def build(kind):
         g = tf.Graph()
         with g.as_default():
             w = tf1.get_variable("w", initializer=tf.constant([3.0, -1.0]))
             b = tf1.get_variable("b", initializer=tf.constant(2.0))
-            loss_fn = lambda: tf.reduce_sum((w - tf.stop_gradient(b)) ** 2)  # noqa: E731
-            opt = tf1.train.GradientDescentOptimizer(0.1)
-            if kind == "plain":
-                loss = loss_fn()
-                handle = (opt.minimize(loss), loss)
+            if given:
+                var_list, loss_fn = [w, b], lambda: tf.reduce_sum(w**2)
             else:
-                handle = v1.fuse(loss_fn, opt, steps=3, mode=kind)
-            init = tf1.global_variables_initializer()
-        s = tf1.Session(graph=g)
-        s.run(init)
-        return s, handle
-
-    r, (op, loss) = build("plain")
-    ref = [r.run([loss, op])[0] for _ in range(3)]
-    for kind in ("fused", "stepwise"):
-        s, f = build(kind)
-        assert [v.name for v in f.var_list] == ["w:0"]
-        np.testing.assert_allclose(f.run(s).loss, ref, rtol=1e-6)
-
-
-def test_a_var_list_variable_no_gradient_reaches_is_left_alone_as_minimize_does():
-    # minimize skips it; fuse refused the whole var_list (naming an internal lambda).
-    def build(kind):
-        g = tf.Graph()
-        with g.as_default():
-            w = tf1.get_variable("w", initializer=tf.constant([3.0, -1.0]))
-            other = tf1.get_variable("other", initializer=tf.constant(2.0))
-            loss_fn = lambda: tf.reduce_sum(w**2)  # noqa: E731
+                var_list, loss_fn = None, lambda: tf.reduce_sum((w - tf.stop_gradient(b)) ** 2)
             opt = tf1.train.AdamOptimizer(0.1)
             if kind == "plain":
                 loss = loss_fn()
-                handle = (opt.minimize(loss, var_list=[w, other]), loss)
+                handle = (opt.minimize(loss, var_list=var_list), loss)
             else:
-                with pytest.warns(UserWarning, match=r"no gradient reaches \['other:0'\]"):
-                    handle = v1.fuse(loss_fn, opt, steps=3, var_list=[w, other], mode=kind)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    handle = v1.fuse(loss_fn, opt, steps=3, var_list=var_list, mode=kind)
+                said = [str(m.message) for m in caught if "no gradient reaches" in str(m.message)]
+                assert len(said) == given and all("['b:0']" in m for m in said), said
             init = tf1.global_variables_initializer()
         s = tf1.Session(graph=g)
         s.run(init)
-        return s, handle, (w, other)
+        return s, handle, (w, b)
 
     r, (op, loss), (rw, _) = build("plain")
     ref = [r.run([loss, op])[0] for _ in range(3)]
     for kind in ("fused", "stepwise"):
-        s, f, (w, other) = build(kind)
+        s, f, (w, b) = build(kind)
         assert [v.name for v in f.var_list] == ["w:0"]
         np.testing.assert_allclose(f.run(s).loss, ref, rtol=1e-6)
         np.testing.assert_allclose(s.run(w), r.run(rw), rtol=1e-6)
-        assert s.run(other) == 2.0
+        assert s.run(b) == 2.0
