@@ -1096,6 +1096,10 @@ def test_a_float16_adam_step_rounds_where_eager_torch_rounds():
     plain, popt = build()
     ref = _plain(plain, popt, lambda a, b: torch.nn.functional.mse_loss(plain(a), b), 6, x, y)
     np.testing.assert_allclose(losses, ref, rtol=2e-3)  # (a float16 ulp: ~1e-3)
+    # (the CUDA chunk is compiled with the same rounding; it runs only on a GPU)
+    from stepfuse.torch._program import CHUNK_OPTIONS
+
+    assert CHUNK_OPTIONS.get("emulate_precision_casts") is True
     assert_close_lists(
         [p.float() for p in params_of(model)],
         [p.float() for p in params_of(plain)],

@@ -57,8 +57,9 @@ it (a float16 Adam state computed in float32 and rounded once kept a second mome
 eager torch's float16 flushes to 0: 25% off in a step); a step's scalars (Adam's bias
 corrections) computed once a step (`stepfuse.torch._scalars`)."""
 
-CHUNK_OPTIONS: dict[str, Any] = {"fallback_random": True}
-"""Inductor options of the CUDA chunk (`stepfuse.torch._cuda`)."""
+CHUNK_OPTIONS: dict[str, Any] = {"fallback_random": True, "emulate_precision_casts": True}
+"""Inductor options of the CUDA chunk (`stepfuse.torch._cuda`): random ops and float16 /
+bfloat16 rounding as in `INDUCTOR_OPTIONS`."""
 
 
 def options_for(spec: Body, base: dict[str, Any]) -> dict[str, Any]:
