@@ -95,19 +95,26 @@ def _handles_read(tensor: Any) -> set:
     return {t.name for op in _variable_reads(tensor) for t in op.inputs if t.dtype == tf.resource}
 
 
-def _variable_reads(tensor: Any) -> list:
-    """The ops that read a variable in the computation of ``tensor`` (those taking a
-    resource handle: ReadVariableOp, ResourceGather ...)."""
-    reads, seen, todo = [], set(), [tensor.op]
+def _ancestors(tensor: Any, control: bool = False) -> list:
+    """The ops ``tensor`` is computed from (its own op first), through their inputs and,
+    with ``control``, their control inputs."""
+    found, seen, todo = [], set(), [tensor.op]
     while todo:
         op = todo.pop()
         if op in seen:
             continue
         seen.add(op)
-        if any(t.dtype == tf.resource for t in op.inputs):
-            reads.append(op)
+        found.append(op)
         todo.extend(t.op for t in op.inputs)
-    return reads
+        if control:
+            todo.extend(op.control_inputs)
+    return found
+
+
+def _variable_reads(tensor: Any) -> list:
+    """The ops that read a variable in the computation of ``tensor`` (those taking a
+    resource handle: ReadVariableOp, ResourceGather ...)."""
+    return [op for op in _ancestors(tensor) if any(t.dtype == tf.resource for t in op.inputs)]
 
 
 def _random_draws(loss: Any) -> tuple[str, ...]:
@@ -115,16 +122,9 @@ def _random_draws(loss: Any) -> tuple[str, ...]:
     ``RandomUniform`` ...), found from its ancestors and the functions they call (a
     ``tf.cond``'s branches ...): the variables' random initializers are not among them (a
     read starts at the handle)."""
-    types, seen, todo, called = set(), set(), [loss.op], []
-    while todo:
-        op = todo.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        types.add(op.type)
-        called += _functions_called(op.node_def)
-        todo.extend(t.op for t in op.inputs)
-        todo.extend(op.control_inputs)
+    ops = _ancestors(loss, control=True)
+    types = {op.type for op in ops}
+    called = [name for op in ops for name in _functions_called(op.node_def)]
     if called:
         library = {f.signature.name: f for f in loss.graph.as_graph_def().library.function}
         done: set[str] = set()
@@ -270,13 +270,9 @@ def _prepare(loss_fn, optimizer, var_list, shown=None):
             if _is_ref(v)  # refused below, by name
             or (getattr(v, "handle", None) is not None and v.handle.name in read)
         ]
-        resource = [v for v in var_list if not _is_ref(v)]
-        if (
-            resource
-        ):  # and, as minimize, not those the loss reads without a gradient (stop_gradient ...)
-            grads = tf.gradients(loss0, resource, unconnected_gradients="none")
-            dropped = {id(v) for v, g in zip(resource, grads) if g is None}
-            var_list = [v for v in var_list if id(v) not in dropped]
+        # and, as minimize, not those the loss reads without a gradient (stop_gradient ...)
+        dropped = {id(v) for v in _unreached(loss0, [v for v in var_list if not _is_ref(v)])}
+        var_list = [v for v in var_list if id(v) not in dropped]
         found = (
             f"var_list=None took the trainable variables the loss reads: "
             f"{[v.name for v in var_list]} of {[v.name for v in everything]}. "
@@ -285,8 +281,7 @@ def _prepare(loss_fn, optimizer, var_list, shown=None):
         found = ""
     var_list = _check_var_list(var_list, given, found)
     if given is not None:  # as minimize: a variable no gradient reaches is left alone
-        grads = tf.gradients(loss0, var_list, unconnected_gradients="none")
-        unreached = [v for v, g in zip(var_list, grads) if g is None]
+        unreached = _unreached(loss0, var_list)
         if unreached and len(unreached) < len(var_list):
             warnings.warn(
                 f"stepfuse.tf.v1: no gradient reaches {[v.name for v in unreached]} of "
@@ -294,7 +289,7 @@ def _prepare(loss_fn, optimizer, var_list, shown=None):
                 "does (no update, no slots). Leave them out of var_list to silence this.",
                 stacklevel=4,
             )
-            var_list = [v for v, g in zip(var_list, grads) if g is not None]
+            var_list = [v for v in var_list if all(v is not u for u in unreached)]
     # Slot and non-slot variables (momentum, Adam moments and beta powers) are created
     # here, outside the loop, so the loop body only reads and writes them.
     create = getattr(optimizer, "_create_slots", None)
@@ -305,6 +300,15 @@ def _prepare(loss_fn, optimizer, var_list, shown=None):
     state = list(var_list) + [v for v in optimizer.variables() if id(v) not in ids]
     ids = {id(v) for v in state}
     return loss0, var_list, state, [v for v in writes if id(v) not in ids]
+
+
+def _unreached(loss: Any, variables: list) -> list:
+    """The ``variables`` no gradient of ``loss`` reaches (read through ``stop_gradient``,
+    or not read at all), which ``minimize`` leaves alone."""
+    if not variables:
+        return []
+    grads = tf.gradients(loss, variables, unconnected_gradients="none")
+    return [v for v, g in zip(variables, grads) if g is None]
 
 
 def _written(ops: Any) -> list:

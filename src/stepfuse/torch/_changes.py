@@ -38,15 +38,21 @@ def module_numbers(subs: Any) -> tuple:
     return tuple(tuple(m.__dict__.get(k) for k in names) for m, names in subs)
 
 
-def numbers_changed(subs: Any, before: tuple, now: tuple) -> None:
-    """Warn where a program is compiled again because a module's number attribute other
-    than ``training`` changed (a train/eval switch is expected to)."""
-    changed = [
+def changes(subs: Any, before: tuple, now: tuple, skip: tuple[str, ...] = ()) -> list[str]:
+    """The `watched` attributes whose values differ between two `module_numbers` readings
+    (``"Dropout.p: 0.1 -> 0.5"``), those named in ``skip`` left out."""
+    return [
         f"{type(m).__name__}.{k}: {a!r} -> {b!r}"
         for (m, names), old, new in zip(subs, before, now)
         for k, a, b in zip(names, old, new)
-        if a != b and k != "training"
+        if a != b and k not in skip
     ]
+
+
+def numbers_changed(subs: Any, before: tuple, now: tuple) -> None:
+    """Warn where a program is compiled again because a module's number attribute other
+    than ``training`` changed (a train/eval switch is expected to)."""
+    changed = changes(subs, before, now, skip=("training",))
     if changed:
         warnings.warn(
             f"stepfuse.torch: module attributes that are Python numbers changed "

@@ -42,7 +42,7 @@ from .._core import (
     host_evals,
 )
 from .._core.options import fail
-from ._changes import module_numbers, watched
+from ._changes import changes, module_numbers, watched
 from ._probe import hold_buffers
 from ._program import batch_key
 from ._state import put_back
@@ -172,20 +172,20 @@ class Evaluations:
     def check(self, args: tuple, key: tuple) -> None:
         """Run ``eval_fn(*args)`` once per signature ``key`` (eagerly, without autograd,
         the buffers and random state put back): a named error if it fails or returns
-        anything but a scalar or a non-empty dict of scalars. Sets the call's arguments."""
-        found = self._checked.get(key)
+        anything but a scalar or a non-empty dict of scalars. Sets the call's arguments.
+        Run again in each train/eval mode (the modules' numbers), where it may differ."""
         mode = (key, module_numbers(self._subs))
-        if found is None or mode not in self._modes:  # (again in each train/eval mode)
+        if mode not in self._modes:
             rng = torch.get_rng_state()
             out = eval_values(self._run(args, what="checking it", rng=rng))
-            self._modes.add(mode)
             found = {}
             for name, v in out.items():
                 if not isinstance(v, torch.Tensor):
                     v = torch.as_tensor(v)
                 found[name] = _buffer_dtype(v.dtype)
             self._checked[key] = found
-        self.dtypes, self.args, self.key = found, args, key
+            self._modes.add(mode)
+        self.dtypes, self.args, self.key = self._checked[key], args, key
 
     def _run(self, args: tuple, what: str, rng: torch.Tensor | None = None) -> Any:
         """``eval_fn(*args)`` without autograd, the buffers and random state put back;
@@ -290,12 +290,7 @@ def _left_changed(subs: Any, before: tuple, after: tuple) -> None:
     """Warn where ``eval_fn`` leaves a module attribute changed (``model.train()`` at its
     end, with the model in eval mode): each evaluation's are put back, in both modes, where
     a plain loop calling it would go on with them changed."""
-    changed = [
-        f"{type(m).__name__}.{k}: {a!r} -> {b!r}"
-        for (m, names), old, new in zip(subs, before, after)
-        for k, a, b in zip(names, old, new)
-        if a != b
-    ]
+    changed = changes(subs, before, after)
     if changed:
         more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
         warnings.warn(
