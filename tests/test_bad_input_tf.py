@@ -123,6 +123,13 @@ def _loss(case):
     return f
 
 
+def _distributed():
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    return strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((X, Y)).batch(10)
+    )
+
+
 def _call(w, build_kw=None, batch=(X, Y), **call_kw):
     fit = w.fit(**(build_kw or {}))
     return fit(*batch, **call_kw)
@@ -179,6 +186,14 @@ TF2_CASES = [
         lambda w: _call(w, batch=(tf.data.Dataset.from_tensor_slices((X, Y)).batch(10),)),
         r"`batch`.*tf.data.Dataset.*iter\(dataset\)",
     ),
+    *[
+        (
+            f"batch a strategy's distributed {what}",
+            lambda w, wrap=wrap: _call(w, batch=(wrap(_distributed()),)),
+            r"`batch`.*experimental_distribute_dataset.*iter\(dataset\)",
+        )
+        for what, wrap in (("dataset", lambda d: d), ("iterator", iter))
+    ],
     *[
         (f"optimizer {name}", lambda w, o=o: w.fit(optimizer=o), "`optimizer`")
         for name, o in _other_framework_optimizers()

@@ -64,7 +64,6 @@ SCRIPTS = {
     "tf": """
         import keras, numpy as np, tensorflow as tf
         import stepfuse as sf, stepfuse.tf as sft
-        from stepfuse.tf import checkpoint
 
         keras.utils.set_random_seed(0)
         rng = np.random.default_rng(0)
@@ -76,8 +75,9 @@ SCRIPTS = {
         fit = sft.fuse(lambda xb, yb: ce(yb, model(xb)), keras.optimizers.Adam(1e-2), model,
                        steps=16, jit_compile=True)
         data = sf.Epochs(x, y, batch_size=2, seed=3)
-        save = lambda path: checkpoint.save(path + "/fit", fit)
-        restore = lambda path: checkpoint.restore(path + "/fit", fit)
+        # (as an attribute: `import stepfuse.tf` alone did not import the module)
+        save = lambda path: sft.checkpoint.save(path + "/fit", fit)
+        restore = lambda path: sft.checkpoint.restore(path + "/fit", fit)
         params = lambda: [v.numpy() for v in model.trainable_variables]
         call = lambda n: fit(data, steps=n)
     """,

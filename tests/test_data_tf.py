@@ -437,3 +437,89 @@ def test_tf1_stacked_feed_equals_its_plain_loop(mode: str) -> None:
             want = sess.run(w)
     close(losses, ref)
     close(got, want)
+
+
+@pytest.mark.parametrize("mode", ["fused", "stepwise"])
+def test_an_iterators_element_reaches_loss_fn_as_a_plain_loop_passes_it(mode: str) -> None:
+    """A dict element reached loss_fn as positional arguments in sorted-key order: keys
+    ``inputs, targets, weights`` became ``loss_fn(inputs, targets=weights, weights=targets)``
+    and the fit trained on swapped tensors without a word. Now a dict is one argument, a
+    tuple's parts are the arguments with their nesting kept, as ``for e in dataset``."""
+    w = RNG.uniform(0.5, 1.0, size=(40,)).astype("float32")
+    records = {"inputs": X[:40], "targets": Y[:40], "weights": w}
+    dicts = tf.data.Dataset.from_tensor_slices(records).batch(8)
+    nested = tf.data.Dataset.from_tensor_slices(((X[:40], w), Y[:40])).batch(8)
+
+    def by_dict(model: Any) -> Any:
+        return lambda e: tf.reduce_mean(
+            e["weights"] * (model(e["inputs"])[:, 0] - e["targets"]) ** 2
+        )
+
+    def by_tuple(model: Any) -> Any:
+        return lambda xw, yb: tf.reduce_mean(xw[1] * (model(xw[0])[:, 0] - yb) ** 2)
+
+    for ds, loss_of, unpack in [(dicts, by_dict, lambda e: (e,)), (nested, by_tuple, tuple)]:
+        model = _model()
+        fit = sft.fuse(loss_of(model), keras.optimizers.Adam(1e-2), model, steps=5, mode=mode)
+        losses = fit(iter(ds)).loss
+        ref_model, ref_opt, ref = _model(), keras.optimizers.Adam(1e-2), []
+        for e in ds:
+            with tf.GradientTape() as tape:
+                loss = loss_of(ref_model)(*unpack(e))
+            grads = tape.gradient(loss, ref_model.trainable_variables)
+            ref_opt.apply_gradients(zip(grads, ref_model.trainable_variables))
+            ref.append(float(loss))
+        close(losses, ref)
+        same_weights(model, ref_model)
+    fit, _ = make(steps=2, mode=mode)  # loss_fn(x, y) given a dict: the error says how
+    with pytest.raises(TypeError, match="reaches loss_fn as one argument"):
+        fit(iter(dicts))
+
+
+def test_an_element_of_unknown_rank_runs_and_a_model_that_cannot_take_it_is_told_why() -> None:
+    """``tf.py_function`` leaves the rank unknown: building the stand-in of a missing
+    element raised "as_list() is not defined on an unknown TensorShape" from inside."""
+    ds = (
+        tf.data.Dataset.from_tensor_slices((X[:40], Y[:40]))
+        .map(lambda a, b: tf.py_function(lambda *t: t, [a, b], [tf.float32, tf.float32]))
+        .batch(8)
+    )
+    w = tf.Variable(tf.ones([3]))
+    fit = sft.fuse(
+        lambda xb, yb: tf.reduce_mean((tf.reduce_sum(xb * w, -1) - yb) ** 2),
+        keras.optimizers.SGD(0.1),
+        [w],
+        steps=5,
+    )
+    losses = fit(iter(ds)).loss
+    w_ref, opt, ref = tf.Variable(tf.ones([3])), keras.optimizers.SGD(0.1), []
+    for xb, yb in ds:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((tf.reduce_sum(xb * w_ref, -1) - yb) ** 2)
+        opt.apply_gradients(zip(tape.gradient(loss, [w_ref]), [w_ref]))
+        ref.append(float(loss))
+    close(losses, ref)
+    close(w.numpy(), w_ref.numpy())
+    keras_fit, _ = make(steps=2)
+    with pytest.raises(ValueError, match=r"(?s)unknown rank\].*tf\.ensure_shape"):
+        keras_fit(iter(ds))
+
+
+def test_epochs_at_step_0_after_the_optimizer_has_stepped_warns_to_set_fit_step() -> None:
+    """A fit rebuilt after ``tf.train.Checkpoint(model, optimizer)`` started its Epochs
+    again at epoch 0 without a word (the checkpoint holds no fit step)."""
+    data = sf.Epochs(X, Y, batch_size=8, seed=3)
+    model = _model()
+    opt = keras.optimizers.Adam(1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fresh optimizer: nothing to say
+        sft.fuse(_loss_of(model), opt, model, steps=3)(data)
+    again = sft.fuse(_loss_of(model), opt, model, steps=3)
+    with pytest.warns(RuntimeWarning, match=r"already taken 3 steps.*fit.step = 3") as seen:
+        again(data)
+    assert seen[0].filename == __file__
+    resumed = sft.fuse(_loss_of(model), opt, model, steps=3)
+    resumed.step = 6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resumed(data)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -554,3 +555,28 @@ def test_numpy_arrays_with_negative_strides_are_taken() -> None:
     np.testing.assert_allclose(trace.loss, want, rtol=1e-6)
     xs = x[:8].reshape(2, 4, 3)[::-1]
     assert fit(sf.Batches(xs, y.reshape(2, 4)), steps=2).steps == 2
+
+
+def test_epochs_at_step_0_after_the_optimizer_has_stepped_warns_to_set_fit_step():
+    """No compile. A fit rebuilt after loading the model's and optimizer's state_dicts
+    alone started its Epochs again at epoch 0 without a word (they hold no fit step)."""
+    x, w, model = _teacher_problem()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    data = sf.Epochs(x, x[:, :2] @ w[:2], batch_size=8, seed=1)
+
+    def fit_of():
+        return sft.fuse(
+            lambda a, b: F.mse_loss(model(a)[:, :1], b[:, :1]), opt, steps=3, mode="stepwise"
+        )
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fresh optimizer: nothing to say
+        fit_of()(data)
+    with pytest.warns(RuntimeWarning, match=r"already taken 3 steps.*fit.step = 3") as seen:
+        fit_of()(data)
+    assert seen[0].filename == __file__
+    resumed = fit_of()
+    resumed.step = 6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resumed(data)

@@ -25,11 +25,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import numbers
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from .driver import user_stacklevel
 from .options import Described, a_type, fail
 from .shuffle import NUMPY_INTS, FunctionInts, IntOps, epoch_keys, rows_of_keys
 
@@ -44,6 +46,7 @@ __all__ = [
     "epoch_keys",
     "feed_of",
     "rows_of_keys",
+    "warn_restarted",
 ]
 
 
@@ -555,3 +558,21 @@ def feed_of(args: Sequence[Any]) -> Feed:
             slots.append(Slot("fixed"))
             arrays.append(a)
     return Feed(tuple(slots), tuple(arrays), min(lengths) if lengths else None)
+
+
+def warn_restarted(args: Sequence[Any], step: int, taken: int) -> None:
+    """Warn where a call starts its `Epochs` at the fit's step 0 while the optimizer has
+    already taken ``taken`` steps: a fit rebuilt after a checkpoint that restored the model
+    and optimizer but not the step count would start the data over at epoch 0."""
+    if step != 0 or taken <= 0 or not any(isinstance(a, Epochs) for a in args):
+        return
+    warnings.warn(
+        f"stepfuse: this call starts its Epochs at the fit's step 0 (epoch 0's first "
+        f"minibatch) while the optimizer has already taken {taken} steps. If the run "
+        f"continues from a checkpoint that restored the model and optimizer only, set "
+        f"fit.step to the step count at the save (e.g. fit.step = {taken}) before the call, "
+        "so the minibatches continue where they were; if it starts the data over on "
+        "purpose, ignore this (it is said while fit.step is 0).",
+        RuntimeWarning,
+        stacklevel=user_stacklevel(),
+    )

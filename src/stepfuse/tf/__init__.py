@@ -10,9 +10,10 @@ a ``tf.data`` iterator; `OutOfDataError` when one runs out). TF1 graph mode
 # the data streams, also here: `sf.Batches(...)` with `import stepfuse.<backend> as sf`
 from .._core.data import Batches as Batches
 from .._core.data import Epochs as Epochs
+from . import checkpoint as checkpoint
 from . import v1 as v1
 from ._data import OutOfDataError as OutOfDataError
 from ._fit import Fit as Fit
 from ._fuse import fuse as fuse
 
-__all__ = ["Batches", "Epochs", "Fit", "OutOfDataError", "fuse", "v1"]
+__all__ = ["Batches", "Epochs", "Fit", "OutOfDataError", "checkpoint", "fuse", "v1"]

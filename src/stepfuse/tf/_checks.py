@@ -165,6 +165,14 @@ def _flat_batch(batch):
                 f"{list(b.shape)}) as tensor {i}. Pass it dense (tf.sparse.to_dense / .to_tensor()), "
                 "or its component tensors, and rebuild it inside loss_fn."
             )
+        if isinstance(b, (tf.distribute.DistributedIterator, tf.distribute.DistributedDataset)):
+            raise TypeError(
+                f"`batch` must hold tensors or a tf.data iterator; got a "
+                f"{type(b).__name__} (from strategy.experimental_distribute_dataset) as "
+                f"tensor {i}. Pass iter(dataset) of the global batches instead (batch with "
+                "drop_remainder=True so each splits evenly): a fit built under the strategy's "
+                "scope splits each step's batch over the replicas itself."
+            )
         if isinstance(b, tf.data.Dataset):
             raise TypeError(
                 f"`batch` must hold tensors; got a tf.data.Dataset ({type(b).__name__}) as "
@@ -273,18 +281,22 @@ def _check_known(optimizer: Any, variables: Any) -> None:
         )
 
 
+def _shape_text(shape: Any) -> str:
+    return "[unknown rank]" if shape.rank is None else str(list(shape))
+
+
 def _described(arg: Any) -> str:
     """One batch argument, briefly: ``float32[50, 3]``, or a structure's leaves (a list of
     numbers named as such: ``fit(x.tolist())`` hands loss_fn a list of scalar tensors)."""
     if isinstance(arg, (tf.Tensor, tf.Variable)):
-        return f"{arg.dtype.name}{list(arg.shape)}"
+        return f"{arg.dtype.name}{_shape_text(arg.shape)}"
     leaves = tf.nest.flatten(arg)
     if isinstance(arg, list) and leaves and all(getattr(t, "shape", None) == () for t in leaves):
         return (
             f"a list of {len(leaves)} scalars (a list is a structure of separate tensors, "
             "as tf.function reads it: np.asarray(...) makes it one array)"
         )
-    text = str(tf.nest.map_structure(lambda b: f"{b.dtype.name}{list(b.shape)}", arg))
+    text = str(tf.nest.map_structure(lambda b: f"{b.dtype.name}{_shape_text(b.shape)}", arg))
     return text if len(text) <= 200 else text[:200] + " [...]"
 
 
@@ -312,4 +324,17 @@ def _batch_mismatch(error: Exception, batch: Any) -> Exception:
         f"loss_fn(*batch) failed while tracing: {cause} -- Pass the tensors "
         "loss_fn expects (count, shapes, dtypes), e.g. fit(x, y) for loss_fn(x, y)."
         + (" A Python int becomes an int32 tensor: pass 0.0 for a float." if ints else "")
+        + (
+            " A tensor of unknown rank (a tf.data element made by tf.py_function, say) has "
+            "no shape while traced: give it one in the dataset, e.g. "
+            "dataset.map(lambda x, y: (tf.ensure_shape(x, [None, 3]), tf.ensure_shape(y, [None])))."
+            if any(t.shape.rank is None for t in tf.nest.flatten(batch) if hasattr(t, "shape"))
+            else ""
+        )
+        + (
+            " A dict (a fixed one, or a tf.data element) reaches loss_fn as one argument: "
+            "read its keys inside loss_fn(batch), or map the dataset to a tuple."
+            if any(isinstance(b, dict) for b in batch)
+            else ""
+        )
     )

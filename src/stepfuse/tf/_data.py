@@ -50,6 +50,7 @@ from .._core.data import (
     epoch_keys,
     feed_of,
     rows_of_keys,
+    warn_restarted,
 )
 from ._checks import _flat_batch
 
@@ -94,6 +95,15 @@ _INTS = FunctionInts(
 
 def _is_iterator(a: Any) -> bool:
     return isinstance(a, tf.data.Iterator)
+
+
+def _stand_in(spec: Any) -> Any:
+    """Zeros of ``spec``'s dtype in place of an element the iterator did not give (its
+    unknown dimensions 0; a scalar where even the rank is unknown): ``loss_fn`` never
+    sees it, the step does not run."""
+    if spec.shape.rank is None:
+        return tf.zeros([], spec.dtype)
+    return tf.zeros([d or 0 for d in spec.shape.as_list()], spec.dtype)
 
 
 def streaming(args: Any) -> bool:
@@ -202,6 +212,8 @@ class Streams:
                     )
                 flat.extend(_flat_batch((a,))[0])
             slots.append(feed.slots[0])
+        if step == 0:  # (a fit rebuilt after a restore that left its step count behind)
+            warn_restarted(args, step, int(fit.optimizer.iterations))
         tables: list[tuple[tuple[int, int], int]] = []
         for s, a in zip(slots, args):
             if isinstance(s, Slot) and s.kind == "epochs" and s.shuffle:
@@ -242,6 +254,8 @@ class Streams:
         (`_distribute.check_split`)."""
 
         def lead(shape: Any) -> int | None:
+            if shape.rank is None:
+                return -1
             if len(shape) == 0:
                 return None
             return -1 if shape[0] is None else int(shape[0])
@@ -388,11 +402,11 @@ class Streams:
                 at += 1
                 opt = it.get_next_as_optional()
                 ok = opt.has_value()
-                empty = tf.nest.map_structure(  # (unknown dimensions: 0)
-                    lambda p: tf.zeros([d or 0 for d in p.shape.as_list()], p.dtype), spec
-                )
+                empty = tf.nest.map_structure(_stand_in, spec)
                 element = tf.cond(ok, opt.get_value, lambda: empty)
-                out.extend(tf.nest.flatten(element))
+                # as a plain loop calls it: a tuple's parts as the arguments (each keeping
+                # its nesting), any other element (a dict, a tensor) as one argument
+                out.extend(element if isinstance(spec, tuple) else (element,))
                 has.append(ok)
         if carry is not None:  # in the fused loop (see `carrying`)
             carry["pos"] = pos + 1

@@ -32,7 +32,16 @@ import numpy as np
 import torch
 
 from .._core import Described, fail
-from .._core.data import Epochs, Feed, FunctionInts, IntOps, Slot, epoch_keys, feed_of
+from .._core.data import (
+    Epochs,
+    Feed,
+    FunctionInts,
+    IntOps,
+    Slot,
+    epoch_keys,
+    feed_of,
+    warn_restarted,
+)
 from ._program import batch_key
 
 __all__ = ["Fed", "TORCH_INTS", "epoch_order"]
@@ -99,9 +108,13 @@ class Fed:
         (a 0-dim int64 tensor) inside the program; None without streams.
     """
 
-    def __init__(self, args: Sequence[Any], device: torch.device, start: int, n: int):
+    def __init__(
+        self, args: Sequence[Any], device: torch.device, start: int, n: int, optimizer: Any = None
+    ):
         feed = feed_of(args)
-        feed.check_steps(n)
+        feed.check_steps(n)  # (a stream too short for the call raises here, before anything runs)
+        if start == 0 and optimizer is not None:  # a fit rebuilt after a restore, at step 0?
+            warn_restarted(args, start, _steps_taken(optimizer))
         self.args = tuple(args)
         self.streams = feed.streams
         self.slots = feed.slots
@@ -189,6 +202,13 @@ class Fed:
             return batch_key(self.args)
         slots = tuple(dataclasses.replace(s, seed=0) for s in self.slots)
         return batch_key(self.inputs(0), slots)
+
+
+def _steps_taken(optimizer: Any) -> int:
+    """The steps a ``torch.optim`` optimizer has taken, from its state's ``step`` (0 where
+    its state keeps no count, as plain SGD's)."""
+    counts = [s["step"] for s in optimizer.state.values() if "step" in s]
+    return int(max(float(c) for c in counts)) if counts else 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -344,7 +344,7 @@ class Fit:
             check_params_unchanged(self.optimizer, self._params)
             if self.mode == "fused":
                 _changes.check_modules_unchanged(self._resolved, self._params)
-            self._fed = _data.Fed(batch, self._params[0].device, self.step, n)  # checks the streams
+            self._fed = _data.Fed(batch, self._params[0].device, self.step, n, self.optimizer)
             self._read_trainable()
             grads_before = [p.grad for p in self._params]
             if self.mode == "fused":
