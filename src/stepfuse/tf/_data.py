@@ -213,7 +213,7 @@ class Streams:
                 flat.extend(_flat_batch((a,))[0])
             slots.append(feed.slots[0])
         if step == 0:  # (a fit rebuilt after a restore that left its step count behind)
-            warn_restarted(args, step, int(fit.optimizer.iterations))
+            warn_restarted(args, step, int(fit._iterations.numpy()))
         tables: list[tuple[tuple[int, int], int]] = []
         for s, a in zip(slots, args):
             if isinstance(s, Slot) and s.kind == "epochs" and s.shuffle:
