@@ -12,6 +12,7 @@ plan) leave nothing behind, and a failed build leaves torch as it found it.
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -132,6 +133,84 @@ def test_a_parameter_replaced_after_fuse_is_refused_before_anything_runs():
     ):
         fit(*data())
     assert fit.step == 0 and bool((model[3].weight == 0).all())
+
+
+def test_modules_rearranged_between_calls_run_as_the_plain_loop_runs_them():
+    """A submodule swapped between calls (``model[1] = nn.ReLU()``) is run as the plain
+    loop runs it (the fused program kept running the old one, silently), and a module
+    replaced with the parameters the optimizer holds (``model[2] = nn.Linear(...)``) is
+    refused before anything runs (the program trained the old, detached one, silently)."""
+
+    def net():
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    (model, ref), (x, y) = (net(), net()), data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    fit = sf.fuse(lambda x, y: F.cross_entropy(model(x), y), opt, steps=STEPS)
+
+    def plain_steps():
+        losses = []
+        for _ in range(STEPS):
+            loss = F.cross_entropy(ref(x), y)
+            ref_opt.zero_grad()
+            loss.backward()
+            ref_opt.step()
+            losses.append(loss.item())
+        return losses
+
+    first, expected = fit(x, y), plain_steps()
+    assert fit.mode == "fused", fit.fallback_reason
+    model[1], ref[1] = nn.ReLU(), nn.ReLU()
+    with pytest.warns(RuntimeWarning, match=r"modules changed .*\(1: Tanh -> ReLU\)"):
+        second = fit(x, y)
+    expected += plain_steps()
+    assert fit.mode == "fused" and fit.compiles == 2, fit.fallback_reason
+    np.testing.assert_allclose(np.concatenate([first.loss, second.loss]), expected, rtol=1e-6)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    held = [p.detach().clone() for p in opt.param_groups[0]["params"]]
+    model[2] = nn.Linear(8, 3)
+    with pytest.raises(ValueError, match=r"parameter 2\.weight \(3, 8\) is in no module any more"):
+        fit(x, y)
+    assert fit.step == 2 * STEPS
+    assert all(torch.equal(a, b) for a, b in zip(opt.param_groups[0]["params"], held))
+
+
+def test_bare_tensors_run_stepwise_saying_how_to_hold_them_in_a_module():
+    """The seed's problem with bare tensors runs stepwise (the fused program swaps
+    parameters inside modules), saying how to hold them; held as the message says, it runs
+    fused, equal to the plain loop."""
+    x, y = data()
+    target = x @ torch.tensor([1.0, -2.0, 3.0, 0.5])
+
+    def plain():
+        w = torch.zeros(4, requires_grad=True)
+        opt, losses = torch.optim.SGD([w], lr=0.05), []
+        for _ in range(STEPS):
+            opt.zero_grad()
+            loss = ((x @ w - target) ** 2).mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, w.detach()
+
+    w = torch.zeros(4, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match=r"(?s)belong to no nn\.Module.*m\.w = torch"):
+        bare = sf.fuse(
+            lambda: ((x @ w - target) ** 2).mean(), torch.optim.SGD([w], lr=0.05), steps=STEPS
+        )
+    m = nn.Module()
+    m.w = nn.Parameter(torch.zeros(4))
+    held = sf.fuse(
+        lambda: ((x @ m.w - target) ** 2).mean(), torch.optim.SGD([m.w], lr=0.05), steps=STEPS
+    )
+    expected, w_expected = plain()
+    for fit, param in ((bare, w), (held, m.w)):
+        np.testing.assert_allclose(fit().loss, expected, rtol=1e-6)
+        torch.testing.assert_close(param.detach(), w_expected)
+    assert (bare.mode, held.mode) == ("stepwise", "fused"), held.fallback_reason
 
 
 def test_a_call_from_the_fits_own_callback_is_refused():

@@ -7,6 +7,7 @@ nothing for them.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -190,10 +191,15 @@ def check_lookahead(optimizer: optax.GradientTransformation, params: Any) -> Non
     if isinstance(params, optax.LookaheadParams):
         return
     is_state = lambda x: isinstance(x, optax.LookaheadState)  # noqa: E731
+    quiet = logging.getLogger("absl")  # (lookahead's init logs that it "continues")
+    mute = logging.Filter("-")  # passes no record of the absl logger
+    quiet.addFilter(mute)
     try:
         state = jax.eval_shape(optimizer.init, _spec(params))
     except Exception:  # noqa: BLE001 - an init that fails here fails again in init, clearly
         return
+    finally:
+        quiet.removeFilter(mute)
     if any(map(is_state, jax.tree_util.tree_leaves(state, is_leaf=is_state))):
         raise TypeError(
             "`params` must be an optax.LookaheadParams for optax.lookahead (its update reads "

@@ -1,11 +1,12 @@
-"""What a user changes while a torch fit lives: between calls (a parameter replaced in its
-module) and during one (a callback that switches a module to eval mode, freezes a
+"""What a user changes while a torch fit lives: between calls (a parameter or a submodule
+replaced in its module) and during one (a callback that switches a module to eval mode, freezes a
 parameter or sets a hyper-parameter), and what the fit does about each."""
 
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -13,6 +14,8 @@ from torch import nn
 from .._core import user_stacklevel
 
 __all__ = [
+    "Resolved",
+    "bind",
     "check_modules_unchanged",
     "compiled_module_reason",
     "module_numbers",
@@ -80,26 +83,121 @@ def compiled_module_reason(modules: Any) -> str | None:
     return None
 
 
+class Resolved(NamedTuple):
+    """The module wrapper the fused program calls, and the names of its parameters:
+    ``names`` of the optimizer's, ``others`` those it does not hold (constants)."""
+
+    wrapper: nn.Module
+    names: list[str]
+    others: list[str]
+    buffers: tuple[str, ...] = ()
+    """Names of the modules' buffers (carried through the fused loop)."""
+    rnn: bool = False
+    """Whether the modules hold recurrent layers (`stepfuse.torch._program.traceable`)."""
+    tree: tuple[tuple[str, nn.Module], ...] = ()
+    """Every submodule under ``wrapper`` with its name, as the names were read: a program
+    is traced through these modules (`check_modules_unchanged`)."""
+    kids: tuple[tuple[nn.Module, tuple], ...] = ()
+    """Each of those modules with its children then (a cheap check that none changed)."""
+
+
+def bind(wrapper: nn.Module, params: Sequence[torch.Tensor]) -> Resolved | list[int]:
+    """The names under ``wrapper`` of the optimizer's ``params``, of the other parameters
+    needing a gradient and of the buffers, as the modules are now; or the indices of the
+    ``params`` no module under ``wrapper`` holds."""
+    names: dict[int, str] = {}
+    for name, p in wrapper.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    missing = [i for i, p in enumerate(params) if id(p) not in names]
+    if missing:
+        return missing
+    held = {id(p) for p in params}
+    others = [n for n, p in wrapper.named_parameters() if id(p) not in held and p.requires_grad]
+    buffers = tuple(n for n, _ in wrapper.named_buffers())
+    rnn = any(isinstance(m, nn.RNNBase) for m in wrapper.modules())
+    tree = tuple(wrapper.named_modules())
+    kids = tuple((m, tuple(m._modules.values())) for _, m in tree)
+    return Resolved(wrapper, [names[id(p)] for p in params], others, buffers, rnn, tree, kids)
+
+
 def _owners(resolved: Any, params: Any) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    """``(module, attribute, tensor)`` of each parameter the optimizer holds, found once."""
+    """``(module, attribute, tensor)`` of each parameter the optimizer holds, found once
+    per `Resolved`."""
     owners = resolved.wrapper.__dict__.get("_stepfuse_owners")
-    if owners is None:
-        owners = []
+    if owners is None or owners[0] is not resolved:
+        found = []
         for name, p in zip(resolved.names, params):
             prefix, _, leaf = name.rpartition(".")
-            owners.append((resolved.wrapper.get_submodule(prefix), leaf, p))
-        resolved.wrapper.__dict__["_stepfuse_owners"] = owners
-    return owners
+            found.append((resolved.wrapper.get_submodule(prefix), leaf, p))
+        owners = resolved.wrapper.__dict__["_stepfuse_owners"] = (resolved, found)
+    return owners[1]
 
 
-def check_modules_unchanged(resolved: Any, params: Any) -> None:
-    """Refuse a fused call where a module's parameter is no longer the tensor the optimizer
-    holds (``model.fc = nn.Linear(...)``, ``model.fc.weight = nn.Parameter(...)`` after
-    `fuse`): the program would run the old tensor, where the plain loop runs the new one
-    (and, its optimizer holding the old, never trains it)."""
-    if resolved is None:
+def _where(name: str) -> str:
+    """A module's name under the wrapper as the user wrote it (``models.0.fc`` -> ``fc``)."""
+    parts = name.split(".")[2:]
+    return ".".join(parts) or "the model"
+
+
+def _rearranged(before: tuple, now: tuple) -> list[str]:
+    """Where two `Resolved.tree` readings differ (``"1: Tanh -> ReLU"``, ``"head: added"``)."""
+    old, new = dict(before), dict(now)
+    said = [
+        f"{_where(n)}: {type(m).__name__} -> " + (type(new[n]).__name__ if n in new else "removed")
+        for n, m in before
+        if new.get(n) is not m
+    ]
+    return said + [f"{_where(n)}: {type(m).__name__} added" for n, m in now if n not in old]
+
+
+def _follow(fit: Any) -> None:
+    """A fused fit whose modules were rearranged after its names were read (a submodule
+    replaced, added or removed: ``model.act = nn.ReLU()``): the plain loop runs the
+    modules as they are now, so the fit reads them again and builds programs for them; an
+    optimizer's parameter no module holds any more is refused (`check_modules_unchanged`)."""
+    r = fit._resolved
+    if all(tuple(m._modules.values()) == kids for m, kids in r.kids):  # (by identity)
         return
-    for module, leaf, p in _owners(resolved, params):
+    got = bind(r.wrapper, fit._params)
+    if isinstance(got, list):
+        i = got[0]
+        raise ValueError(
+            f"`model`'s parameter {_where(r.names[i])} "
+            f"{tuple(fit._params[i].shape)} is in no module any more (its module was "
+            "replaced after the fit was built), and the optimizer still holds it: a plain "
+            "loop would never train the new module's parameters. Build a new optimizer over "
+            "the model's parameters and a new fit. Nothing was run or changed."
+        )
+    changed, built = _rearranged(r.tree, got.tree), bool(fit._captured)
+    fit._resolved, fit._rnn, fit._submodules = got, got.rnn, None
+    fit._program = fit._program_key = fit._random_ops = None
+    for cache in (fit._captured, fit._probed, fit._verified):
+        cache.clear()
+    if fit._evals is not None:
+        fit._evals = type(fit._evals)(fit.opts, fit._modules)
+    reason = compiled_module_reason(fit._modules)
+    if reason is not None:
+        fit._fall_back(reason)
+    elif built:
+        warnings.warn(
+            f"stepfuse.torch: the modules changed since the fused program was built "
+            f"({'; '.join(changed[:4])}): it is compiled again for them now, as the plain "
+            "loop runs them as they are.",
+            RuntimeWarning,
+            stacklevel=user_stacklevel(),
+        )
+
+
+def check_modules_unchanged(fit: Any) -> None:
+    """Before a fused call: follow a rearrangement of the modules (`_follow`), and refuse
+    one where a module's parameter is no longer the tensor the optimizer holds
+    (``model.fc = nn.Linear(...)``, ``model.fc.weight = nn.Parameter(...)`` after `fuse`):
+    the program would run the old tensor, where the plain loop runs the new one (and, its
+    optimizer holding the old, never trains it)."""
+    if fit.mode != "fused" or fit._resolved is None:
+        return
+    _follow(fit)
+    for module, leaf, p in _owners(fit._resolved, fit._params):
         now = module._parameters.get(leaf)
         if now is not p:
             raise ValueError(

@@ -342,8 +342,7 @@ class Fit:
             n = check_call_steps(steps, self.opts, capped=False)
             _eval.check_call(self._evals, eval_batch)  # eval_fn runs once per eval_batch signature
             check_params_unchanged(self.optimizer, self._params)
-            if self.mode == "fused":
-                _changes.check_modules_unchanged(self._resolved, self._params)
+            _changes.check_modules_unchanged(self)  # (fused: modules rearranged since)
             self._fed = _data.Fed(batch, self._params[0].device, self.step, n, self.optimizer)
             self._read_trainable()
             grads_before = [p.grad for p in self._params]

@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._core import Described, fail
-from ._changes import compiled_module_reason, watched
+from ._changes import Resolved, bind, compiled_module_reason, watched
 from ._rules import HANDLED, IGNORED_GROUP_KEYS, SUPPORTED_OPTIMIZERS, Rule, refusal
 from ._state import Held, put_back
 
@@ -113,19 +113,6 @@ def find_modules(loss_fn: Callable[..., Any]) -> list[nn.Module]:
     return found
 
 
-class Resolved(NamedTuple):
-    """The module wrapper the fused program calls, and the names of its parameters:
-    ``names`` of the optimizer's, ``others`` those it does not hold (constants)."""
-
-    wrapper: nn.Module
-    names: list[str]
-    others: list[str]
-    buffers: tuple[str, ...] = ()
-    """Names of the modules' buffers (carried through the fused loop)."""
-    rnn: bool = False
-    """Whether the modules hold recurrent layers (`stepfuse.torch._program.traceable`)."""
-
-
 def resolve(
     loss_fn: Callable[..., Any],
     optimizer: torch.optim.Optimizer,
@@ -151,30 +138,21 @@ def resolve(
     compiled = compiled_module_reason(modules)
     if compiled is not None:
         return compiled
-    names: dict[int, str] = {}
-    wrapper = _LossModule(loss_fn, modules)
-    for name, p in wrapper.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), name)
-    missing = [i for i, p in enumerate(params) if id(p) not in names]
-    if missing:
-        where = (
-            "do not belong to the `model` given"
-            if model_given
-            else "belong to no nn.Module that `loss_fn` closes over"
-        )
+    got = bind(_LossModule(loss_fn, modules), params)
+    if isinstance(got, list):
+        if model_given:
+            return (
+                f"{len(got)} of the optimizer's parameters do not belong to the `model` "
+                "given; pass fuse(..., model=the_module) with the module that holds them all."
+            )
         return (
-            f"{len(missing)} of the optimizer's parameters {where}; pass "
-            "fuse(..., model=the_module) with the module that holds them all."
+            f"{len(got)} of the optimizer's parameters belong to no nn.Module that `loss_fn` "
+            "closes over: the fused program swaps parameters inside modules, so bare tensors "
+            "are out of its reach. Hold them in a module and read them from it in loss_fn "
+            "(m = torch.nn.Module(); m.w = torch.nn.Parameter(w0); loss_fn using m.w), or "
+            "pass fuse(..., model=the_module) where loss_fn reaches it another way."
         )
-    held = {id(p) for p in params}
-    others = [
-        name
-        for name, p in wrapper.named_parameters()  # one name per tensor
-        if id(p) not in held and p.requires_grad
-    ]
-    buffers = tuple(n for n, _ in wrapper.named_buffers())
-    rnn = any(isinstance(m, nn.RNNBase) for m in wrapper.modules())
-    return Resolved(wrapper, [names[id(p)] for p in params], others, buffers, rnn)
+    return got
 
 
 def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
