@@ -333,6 +333,47 @@ def test_a_learning_rate_replaced_between_calls_is_used(mode, data):
         np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
 
 
+def test_python_number_hyper_parameters_changed_between_calls_are_used(data):
+    """Adam's ``beta_1`` and SGD's ``momentum`` are Python numbers Keras reads when its update
+    is traced: changed between calls, the fit traces again and equals the eager loop (the
+    old values were used silently, as a tf.function loop uses them); changed in a callback,
+    a warning says they hold from the next call."""
+    x, y = data
+    for make, name, value in ((keras.optimizers.Adam, "beta_1", 0.5), (_momentum, "momentum", 0)):
+        _, ref_vars, ref_loss = make_problem("perceptron")
+        ref_opt = make(0.1)
+        ref = list(reference_steps(ref_loss, ref_opt, ref_vars, x, y, 2))
+        setattr(ref_opt, name, value)
+        ref += list(reference_steps(ref_loss, ref_opt, ref_vars, x, y, 3))
+        _, variables, loss_fn = make_problem("perceptron")
+        opt = make(0.1)
+        fit = sf.fuse(loss_fn, opt, variables, steps=3, jit_compile=False)
+        losses = list(fit(x, y, steps=2).loss)
+        setattr(opt, name, value)
+        with pytest.warns(RuntimeWarning, match=rf"hyper-parameters \({name}: .* traced again"):
+            losses += list(fit(x, y).loss)
+        np.testing.assert_allclose(losses, ref, rtol=RTOL, atol=ATOL)
+        for a, b in zip(values(variables), values(ref_vars)):
+            np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+    opt = keras.optimizers.Adam(0.1)
+    _, variables, loss_fn = make_problem("perceptron")
+    every = sf.fuse(
+        loss_fn,
+        opt,
+        variables,
+        steps=3,
+        jit_compile=False,
+        every=1,
+        callback=lambda step, loss: setattr(opt, "beta_1", 0.2),
+    )
+    with pytest.warns(RuntimeWarning, match=r"\(beta_1: 0.9 -> 0.2\) changed in the callback"):
+        every(x, y)
+
+
+def _momentum(rate):
+    return keras.optimizers.SGD(rate, momentum=0.9)
+
+
 @pytest.mark.parametrize("make", [keras.optimizers.Nadam, keras.optimizers.Adafactor])
 def test_the_optimizer_is_built_under_its_name_as_apply_gradients_builds_it(make):
     """Nadam and Adafactor make variables of their own in ``build``: their paths carry the

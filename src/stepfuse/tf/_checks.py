@@ -3,12 +3,13 @@ argument errors, shared by `stepfuse.tf` and `stepfuse.tf.v1`."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NoReturn
 
 import keras
 import tensorflow as tf
 
-from .._core import Described
+from .._core import Described, user_stacklevel
 from .._core import fail as _options_fail
 
 
@@ -193,6 +194,52 @@ def _learning_rate_of(optimizer):
     """The object a Keras optimizer reads its learning rate from (a variable, a schedule or
     a callable), which ``optimizer.learning_rate = ...`` may replace."""
     return getattr(optimizer, "_learning_rate", None)
+
+
+def hyper_of(optimizer: Any) -> tuple:
+    """The optimizer's public attributes that are Python numbers (``beta_1``, ``momentum``,
+    ``weight_decay``, ``clipnorm`` ...): Keras's update reads them as constants when it is
+    traced, where the learning rate is a variable (`_learning_rate_of`)."""
+    plain = (int, float, bool, type(None))
+    return tuple(
+        sorted(
+            (k, v)
+            for k, v in vars(optimizer).items()
+            if type(v) in plain and not k.startswith("_") and k != "built"
+        )
+    )
+
+
+def follow_hyper(fit: Any, callback: bool = False) -> None:
+    """Trace the fit's programs again where the optimizer's `hyper_of` changed since they
+    were traced (a tf.function loop or ``model.fit`` would go on with the old values, an
+    eager loop uses the new ones at its next step). After a call whose ``callback`` changed
+    them, warn that they hold from the next call only (a call is one traced program)."""
+    now = hyper_of(fit.optimizer)
+    if now == fit._hyper:
+        return
+    old = dict(fit._hyper)
+    said = "; ".join(f"{k}: {old.get(k)!r} -> {v!r}" for k, v in now if old.get(k) != v)
+    if callback:
+        text = (
+            "changed in the callback during the call: Keras reads them as constants in the "
+            "traced update, so they hold from the next call (traced again for them), not "
+            "from the next step of this one as in an eager loop. A learning rate changes at "
+            "once (it is a variable)."
+        )
+    else:
+        text = (
+            "changed: Keras reads them as constants in the traced update (a tf.function "
+            "loop or model.fit would go on with the old values), so the fit is traced again "
+            "for them now, as an eager loop uses them."
+        )
+        fit._hyper = now
+        fit._build()
+    warnings.warn(
+        f"stepfuse.tf: the optimizer's hyper-parameters ({said}) {text}",
+        RuntimeWarning,
+        stacklevel=user_stacklevel(),
+    )
 
 
 def _check_loss(loss: Any, loss_fn: Any) -> Any:

@@ -36,6 +36,8 @@ from ._checks import (
     _fail,
     _learning_rate_of,
     _tf_var,
+    follow_hyper,
+    hyper_of,
 )
 from ._data import Streams, only_given
 from ._distribute import check_split, distributed_step, no_xla_under, strategy_of
@@ -179,6 +181,7 @@ class Fit(Stepwise):
         self._trace_dtype = tf.float32  # the loss dtype of the batch being traced (see `_call`)
         self._callback_error: BaseException | None = None
         self._learning_rate = _learning_rate_of(optimizer)  # what the programs were traced with
+        self._hyper = hyper_of(optimizer)  # (and its Python-number hyper-parameters)
         # The nesting of the batch the programs were traced for: they take its tensors
         # flat and `_loss_and_grads` packs them back for loss_fn (dicts, tuples ...).
         self._structure = None
@@ -489,6 +492,7 @@ class Fit(Stepwise):
                 # programs read: trace them again (assigning a float writes into the variable).
                 self._learning_rate = _learning_rate_of(self.optimizer)
                 self._build()
+            follow_hyper(self)
             found = self._probe(batch)
             if self.jit_compile:
                 avoid_xla(self, found)
@@ -526,6 +530,7 @@ class Fit(Stepwise):
                 finally:
                     self._notifier = None
                 notifier.done(applied, None if last is None else float(last))
+                follow_hyper(self, callback=True)
                 self.step = start + int(applied)
             trace = host_trace(losses, int(applied), int(stop), self.opts.record_every, evals)
             self._streams.check_exhausted(trace, start, self.opts.record_every)
