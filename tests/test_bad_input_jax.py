@@ -293,6 +293,28 @@ def test_bad_input_is_refused_with_a_message(action, exc, match):
         action()
 
 
+def test_a_state_made_for_params_of_another_dtype_is_refused_fused_with_the_cast():
+    """Adam's state from bfloat16 params, run with float32 ones: a plain loop promotes it
+    at its first step, and so does the stepwise mode; the fused loop, whose carry has fixed
+    dtypes, refuses it naming the leaf and the cast (JAX's while_loop error said neither).
+    Cast as the message says, it runs fused."""
+    fit = sf.fuse(perceptron_loss, optax.adam(0.1), steps=3)
+    params = jax.tree_util.tree_map(jnp.asarray, perceptron_init())
+    state = fit.init(jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), params))
+    state = state._replace(params=params)
+    with pytest.raises(TypeError, match=r"`state.opt_state\[0\].mu\['bias'\]` is bfloat16, an"):
+        fit(state, X, Y)
+    stepwise = sf.fuse(perceptron_loss, optax.adam(0.1), steps=3, mode="stepwise")
+    assert stepwise(state, X, Y)[0].opt_state[0].mu["bias"].dtype == jnp.float32
+    cast = state._replace(
+        opt_state=jax.tree.map(
+            lambda a, b: a.astype(b.dtype), state.opt_state, fit.init(state.params).opt_state
+        )
+    )
+    new, trace = fit(cast, X, Y)
+    assert trace.steps == 3 and new.opt_state[0].mu["bias"].dtype == jnp.float32
+
+
 def test_failed_calls_leave_the_state_untouched_and_the_fit_usable():
     fit = sf.fuse(perceptron_loss, optax.adam(0.1), steps=4, callback=raising_callback, every=2)
     state = fit.init(perceptron_init())

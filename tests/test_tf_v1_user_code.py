@@ -186,3 +186,34 @@ def test_a_new_session_gets_the_kept_loop_for_bare_runs():
         f.run(second, feed)
         second.run(f.train_op, feed)
         np.testing.assert_allclose(second.run(table)[1], [1.0, 1.0])  # (not read: untouched)
+
+
+def test_the_auto_trial_runs_outside_a_monitored_sessions_hooks():
+    """In a MonitoredTrainingSession, `run`'s first call times both loops: its hooks saw
+    each trial run (a CheckpointSaverHook saved mid-trial, and a StopAtStepHook whose last
+    step fell inside the trial stopped it and the call raised). They see the run alone."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf1.placeholder(tf.float32, (None, 2))
+        y = tf1.placeholder(tf.int32, (None,))
+        loss_fn = total_loss(x, y)
+        step = tf1.train.get_or_create_global_step()
+        f = v1.fuse(loss_fn, tf1.train.GradientDescentOptimizer(0.5), steps=STEPS, global_step=step)
+
+        class Seen(tf1.train.SessionRunHook):
+            steps: list = []
+
+            def before_run(self, run_context):
+                return tf1.train.SessionRunArgs(step)
+
+            def after_run(self, run_context, run_values):
+                self.steps.append(int(run_values.results))
+
+        seen = Seen()
+        hooks = [tf1.train.StopAtStepHook(last_step=1), seen]
+        with tf1.train.MonitoredTrainingSession(hooks=hooks, log_step_count_steps=None) as ms:
+            losses = f.run(ms, {x: XS, y: YS}).loss
+            assert ms.should_stop()
+    want = run(total_loss, fused=False, runs=1)[0]
+    np.testing.assert_allclose(losses, want, rtol=1e-6, atol=1e-7)
+    assert len(seen.steps) == 1 and f.plan["xla"] is not None, (seen.steps, f.plan)

@@ -20,6 +20,7 @@ import optax
 
 __all__ = [
     "Loss",
+    "check_dtypes_kept",
     "check_model_state",
     "check_opt_state",
     "check_params",
@@ -135,6 +136,29 @@ def check_opt_state(optimizer: optax.GradientTransformation, params: Any, opt_st
             raise ValueError(
                 f"`state.opt_state{jax.tree_util.keystr(path)}` has shape {np.shape(got)}, where "
                 f"optimizer.init(params) gives {w.shape} (the params' shapes changed?). {fix}"
+            )
+
+
+def check_dtypes_kept(optimizer: optax.GradientTransformation, params: Any, opt_state: Any) -> None:
+    """Raise where an update would give ``opt_state`` a leaf of another dtype (a state made
+    for bfloat16 params, run with float32 ones): a plain loop promotes it at its first step,
+    the fused loop carries fixed dtypes (and JAX's while_loop would say so obscurely)."""
+    shape_of = lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))  # noqa: E731
+    spec = jax.tree_util.tree_map(shape_of, (opt_state, params))
+    try:
+        _, after = jax.eval_shape(lambda s, p: optimizer.update(p, s, p), *spec)
+    except Exception:  # noqa: BLE001 - (an update needing more arguments: the loop tells)
+        return
+    for (path, got), w in zip(_leaves_with_paths(opt_state), jax.tree_util.tree_leaves(after)):
+        if jnp.result_type(got) != w.dtype:
+            raise TypeError(
+                f"`state.opt_state{jax.tree_util.keystr(path)}` is {jnp.result_type(got)}, and "
+                f"an update with these params makes it {w.dtype} (the state was made for "
+                "params of another dtype?): the fused loop carries the state with fixed dtypes, "
+                "where a plain loop would promote it at its first step. Cast it to what the "
+                "update gives (the first step then computes in that dtype throughout), e.g. state._replace(opt_state=jax.tree.map(lambda a, b: "
+                "a.astype(b.dtype), state.opt_state, fit.init(state.params).opt_state)), or "
+                "start again from fit.init(params)."
             )
 
 

@@ -47,7 +47,7 @@ from .._core.loop import (
     within_tol,
 )
 from . import _host
-from ._checks import Loss
+from ._checks import Loss, check_dtypes_kept
 from ._data import Streams
 from ._eval import EvalBuffers, Evaluation, evaluate
 from ._ops import OPS, select
@@ -141,6 +141,7 @@ class _Loop:
             nan if self.opts.tol is not None else None,
         )
         aux0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), self.loss.aux_shape)
+        check_dtypes_kept(self.optimizer, params, opt_state)  # (a plain loop would promote)
         kept = held(flat_state((opt_state, model_state)))
         feed = self.streams.start(self.step0)
         evals = None if self.evaluation is None else self.evaluation.start(self.opts.eval_capacity)

@@ -136,7 +136,10 @@ class Fused(Fit):
             sess.run(self.shadow.choose, {self.shadow.pick: int(self.plan["xla"])})
             self._told.add(sess)
             return self.plan
-        feed = dict(feed_dict or {})
+        told, feed = sess, dict(feed_dict or {})
+        # A MonitoredSession's hooks would see the trial's runs (a StopAtStepHook stopping
+        # inside them): the trial runs in its own session, which the hooks do not watch.
+        sess = getattr(sess, "_tf_sess", lambda: sess)()
         if steps is not None:
             n = _check_run_steps(steps, self.max_steps)
         elif self.steps in feed:
@@ -158,7 +161,7 @@ class Fused(Fit):
             plan = timed(run, n, min(n, self.chunk))
             sess.run(shadow.choose, {shadow.pick: int(plan["xla"])})
         self.plan, self.jit_compile = plan, bool(plan["xla"])
-        self._told.add(sess)
+        self._told.add(told)
         return plan
 
     def run(self, sess: Any, feed_dict: dict | None = None, steps: int | None = None) -> Trace:
