@@ -54,9 +54,9 @@ def data():
     return torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
 
 
-def plain(model, steps):
+def plain(model, steps, opt=None):
     x, y = data()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for _ in range(steps):
         loss = F.cross_entropy(model(x), y)
@@ -150,22 +150,12 @@ def test_modules_rearranged_between_calls_run_as_the_plain_loop_runs_them():
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     fit = sf.fuse(lambda x, y: F.cross_entropy(model(x), y), opt, steps=STEPS)
 
-    def plain_steps():
-        losses = []
-        for _ in range(STEPS):
-            loss = F.cross_entropy(ref(x), y)
-            ref_opt.zero_grad()
-            loss.backward()
-            ref_opt.step()
-            losses.append(loss.item())
-        return losses
-
-    first, expected = fit(x, y), plain_steps()
+    first, expected = fit(x, y), plain(ref, STEPS, ref_opt)
     assert fit.mode == "fused", fit.fallback_reason
     model[1], ref[1] = nn.ReLU(), nn.ReLU()
     with pytest.warns(RuntimeWarning, match=r"modules changed .*\(1: Tanh -> ReLU\)"):
         second = fit(x, y)
-    expected += plain_steps()
+    expected += plain(ref, STEPS, ref_opt)
     assert fit.mode == "fused" and fit.compiles == 2, fit.fallback_reason
     np.testing.assert_allclose(np.concatenate([first.loss, second.loss]), expected, rtol=1e-6)
     for a, b in zip(model.parameters(), ref.parameters()):
