@@ -140,7 +140,7 @@ def _where(name: str) -> str:
 
 
 def _rearranged(before: tuple, now: tuple) -> list[str]:
-    """Where two `Resolved.tree` readings differ (``"1: Tanh -> ReLU"``, ``"head: added"``)."""
+    """Where two `Resolved.tree` readings differ (``"1: Tanh -> ReLU"``, ``"head: Linear added"``)."""
     old, new = dict(before), dict(now)
     said = [
         f"{_where(n)}: {type(m).__name__} -> " + (type(new[n]).__name__ if n in new else "removed")

@@ -340,9 +340,9 @@ class Fit:
         """
         with exclusive(self):  # one call at a time
             n = check_call_steps(steps, self.opts, capped=False)
-            _eval.check_call(self._evals, eval_batch)  # eval_fn runs once per eval_batch signature
             check_params_unchanged(self.optimizer, self._params)
             _changes.check_modules_unchanged(self)  # (fused: modules rearranged since)
+            _eval.check_call(self._evals, eval_batch)  # eval_fn runs once per eval_batch signature
             self._fed = _data.Fed(batch, self._params[0].device, self.step, n, self.optimizer)
             self._read_trainable()
             grads_before = [p.grad for p in self._params]
