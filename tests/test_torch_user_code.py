@@ -139,7 +139,9 @@ def test_modules_rearranged_between_calls_run_as_the_plain_loop_runs_them():
     """A submodule swapped between calls (``model[1] = nn.ReLU()``) is run as the plain
     loop runs it (the fused program kept running the old one, silently), and a module
     replaced with the parameters the optimizer holds (``model[2] = nn.Linear(...)``) is
-    refused before anything runs (the program trained the old, detached one, silently)."""
+    refused before anything runs (the program trained the old, detached one, silently).
+    The fit evaluates too: its evaluation follows the new modules, with the call's
+    ``eval_batch``."""
 
     def net():
         torch.manual_seed(1)
@@ -148,14 +150,18 @@ def test_modules_rearranged_between_calls_run_as_the_plain_loop_runs_them():
     (model, ref), (x, y) = (net(), net()), data()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    fit = sf.fuse(lambda x, y: F.cross_entropy(model(x), y), opt, steps=STEPS)
+    loss_fn = lambda x, y: F.cross_entropy(model(x), y)  # noqa: E731
+    fit = sf.fuse(loss_fn, opt, steps=STEPS, eval_fn=loss_fn, eval_every=STEPS)
 
-    first, expected = fit(x, y), plain(ref, STEPS, ref_opt)
+    first, expected = fit(x, y, eval_batch=(x, y)), plain(ref, STEPS, ref_opt)
     assert fit.mode == "fused", fit.fallback_reason
     model[1], ref[1] = nn.ReLU(), nn.ReLU()
     with pytest.warns(RuntimeWarning, match=r"modules changed .*\(1: Tanh -> ReLU\)"):
-        second = fit(x, y)
+        second = fit(x, y, eval_batch=(x, y))
     expected += plain(ref, STEPS, ref_opt)
+    with torch.no_grad():
+        evaluated = F.cross_entropy(ref(x), y).item()
+    np.testing.assert_allclose(second.eval.values["value"], [evaluated], rtol=1e-6)
     assert fit.mode == "fused" and fit.compiles == 2, fit.fallback_reason
     np.testing.assert_allclose(np.concatenate([first.loss, second.loss]), expected, rtol=1e-6)
     for a, b in zip(model.parameters(), ref.parameters()):
