@@ -438,3 +438,26 @@ def test_a_loss_returning_a_pair_without_has_aux_is_told_of_the_flag():
         fit(fit.init(perceptron_init()), X, Y)
     fit = sf.fuse(with_aux, optax.sgd(0.1), steps=2, has_aux=True)
     assert fit(fit.init(perceptron_init()), X, Y)[1].steps == 2
+
+
+def test_a_collective_in_loss_fn_under_shard_map_is_told_to_use_a_named_sharding():
+    """``jax.lax.pmean`` in ``loss_fn`` with the fit inside ``jax.shard_map``: JAX's check of
+    the axes a value varies over fails where the fit runs loss_fn's traced program (a plain
+    loop runs). The error says so, and what gives data-parallel training instead."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    fit = sf.fuse(
+        lambda p, x, y: jax.lax.pmean(perceptron_loss(p, x, y), "data"), build().optimizer, steps=2
+    )
+    params = jax.tree_util.tree_map(jnp.asarray, perceptron_init())
+
+    def run(p, x, y):
+        return fit(fit.init(p), x, y)[0].params
+
+    mapped = jax.shard_map(run, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P())
+    with pytest.raises(ValueError) as caught:
+        jax.jit(mapped)(params, X, Y)
+    notes = " ".join(getattr(caught.value, "__notes__", []))
+    assert "under jax.shard_map" in notes and "NamedSharding" in notes, notes

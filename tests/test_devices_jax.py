@@ -51,7 +51,9 @@ def test_eight_devices_equal_one_device_on_the_whole_batch(results: dict, case: 
     assert row["step"] == sum(row["steps"])
     assert row["loss_gap"] <= TOL * max(1.0, row["loss_scale"])
     assert row["state_gap"] <= TOL
-    assert row["compiles"] == len(row["steps"])  # one program per distinct `steps`
+    # one program whatever the calls' steps: `init` places the step count and the
+    # optimizer's scalars as a call returns them (the second call compiled again)
+    assert row["compiles"] == 1
 
 
 @pytest.mark.parametrize("case", ["fixed", "batches", "epochs", "fsdp"])

@@ -185,6 +185,8 @@ def _worker(out: Path) -> None:
     mark("plain scenarios done")
     d1, d2 = dfit(epochs), dfit(epochs)
     mark("ddp fit compiled and ran")
+    with ddp.no_sync():  # a plain loop there averages nothing: refused, before anything
+        save_error("no_sync", lambda: dfit(epochs))
     res["ddp"] = {
         "params": [p.detach().clone() for p in net.parameters()],
         "buffers": [b.detach().clone() for b in net.buffers()],
@@ -357,6 +359,13 @@ def test_mismatched_steps_raise_on_every_rank_and_change_nothing(ranks):
         assert "`steps` differs between the ranks" in msg
         assert "rank 0: 3, rank 1: 2" in msg
         assert got["mismatch_unchanged"]
+
+
+def test_a_call_inside_ddps_no_sync_is_refused_and_changes_nothing(ranks):
+    for got in ranks:
+        cls, msg = got["no_sync"]
+        assert cls == "ValueError" and "inside DistributedDataParallel.no_sync()" in msg
+        assert got["ddp"]["step"] == 6  # (read after the refused call)
 
 
 def test_an_error_on_one_rank_reaches_the_others(ranks):

@@ -377,7 +377,19 @@ class Loss:
 
     def __call__(self, params: Any, model_state: Any, *batch: Any) -> tuple[Any, Any]:
         flat = jax.tree_util.tree_leaves((params, model_state, *batch))
-        out = jax.tree_util.tree_unflatten(self._out_tree, self._fun(*flat))
+        try:
+            out = jax.tree_util.tree_unflatten(self._out_tree, self._fun(*flat))
+        except (TypeError, ValueError) as e:
+            if "collective" in str(e):  # (shard_map's check of the axes a value varies over)
+                e.add_note(
+                    "stepfuse.jax: the fit runs loss_fn as the program jax.make_jaxpr traced "
+                    "from it, where a collective (lax.pmean, psum) under jax.shard_map fails "
+                    "JAX's check of the axes each value varies over. For data-parallel "
+                    "training, place the batch with a NamedSharding instead (see the guide's "
+                    "several devices): the fit's program then averages over the devices, "
+                    "with no collective in loss_fn."
+                )
+            raise
         value, new_state, aux = self._parts(out, self.has_aux, self.has_state)
         if self.has_state:  # the same dtypes (checked), a weak type made strong for the carry
             new_state = jax.tree_util.tree_map(

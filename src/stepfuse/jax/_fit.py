@@ -41,7 +41,7 @@ from ._checks import (
     loss_params,
 )
 from ._eval import Evaluation, host_eval_trace, traced_eval_trace
-from ._state import FitState
+from ._state import FitState, replicated_like
 from ._step import Proposal, plan, propose
 from ._transforms import inside_a_trace, spans_devices, wants_reverse_mode
 
@@ -132,7 +132,8 @@ class Fit:
         model_state, opt_state = jax.tree_util.tree_map(
             lambda x: jnp.asarray(x, jnp.result_type(x)), (model_state, self.optimizer.init(params))
         )
-        return FitState(params, opt_state, jnp.zeros((), jnp.int32), model_state)
+        opt_state, step = replicated_like(params, (opt_state, jnp.zeros((), jnp.int32)))
+        return FitState(params, opt_state, step, model_state)
 
     def __call__(
         self, state: FitState, *batch: Any, steps: int | None = None, eval_batch: Any = None

@@ -10,7 +10,7 @@ import jax
 
 from .._core import EvalTrace, Trace
 
-__all__ = ["FitState"]
+__all__ = ["FitState", "replicated_like"]
 
 jax.tree_util.register_pytree_node(
     Trace,
@@ -41,3 +41,30 @@ class FitState(NamedTuple):
     opt_state: Any
     step: jax.Array
     model_state: Any = None
+
+
+def replicated_like(params: Any, tree: Any) -> Any:
+    """``tree`` (the optimizer state and step count ``init`` makes) with each array that
+    is not on a mesh placed replicated on the mesh of ``params``, where they are on one:
+    a call returns them so, and an input placed otherwise compiles the program again."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = None
+    for leaf in jax.tree_util.tree_leaves(params):
+        try:
+            sharding = leaf.sharding
+        except Exception:  # noqa: BLE001 - (a tracer, a NumPy array: nothing placed)
+            return tree
+        if isinstance(sharding, NamedSharding):
+            mesh = sharding.mesh
+            break
+    if mesh is None:
+        return tree
+    everywhere = NamedSharding(mesh, PartitionSpec())
+
+    def place(leaf: Any) -> Any:
+        if isinstance(getattr(leaf, "sharding", None), NamedSharding):
+            return leaf
+        return jax.device_put(leaf, everywhere)
+
+    return jax.tree_util.tree_map(place, tree)

@@ -134,6 +134,14 @@ def collective(call: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(call)
     def wrapper(fit: Any, *batch: Any, **options: Any) -> Any:
         ddps = _ddps_of(fit)
+        if any(not d.require_backward_grad_sync for d in ddps):
+            raise ValueError(
+                "stepfuse.torch: the fit is called inside DistributedDataParallel.no_sync(), "
+                "where a plain loop averages no gradients (each rank steps on its own), and "
+                "the fit averages them at every step, as DDP does outside it. Call the fit "
+                "outside no_sync() (nothing was run or changed); to accumulate gradients over "
+                "micro-batches, call no_sync() inside loss_fn, as the plain loop would."
+            )
         group = group_of(ddps)
         if group is None or torch.distributed.get_world_size(group) == 1:
             fit._sync = None
