@@ -1,6 +1,7 @@
 """stepfuse.tf (TF2 / Keras): equivalence with GradientTape training, no retrace, stops, errors."""
 
 import math
+import re
 import warnings
 
 import keras
@@ -337,20 +338,31 @@ def test_python_number_hyper_parameters_changed_between_calls_are_used(data):
     """Adam's ``beta_1`` and SGD's ``momentum`` are Python numbers Keras reads when its update
     is traced: changed between calls, the fit traces again and equals the eager loop (the
     old values were used silently, as a tf.function loop uses them); changed in a callback,
-    a warning says they hold from the next call."""
+    a warning says they hold from the next call. A NumPy number, and an optimizer that a
+    ``MultiOptimizer`` wraps, are followed too."""
     x, y = data
-    for make, name, value in ((keras.optimizers.Adam, "beta_1", 0.5), (_momentum, "momentum", 0)):
+    cases = (
+        (keras.optimizers.Adam, "beta_1", 0.5),
+        (_momentum, "momentum", 0),
+        (
+            lambda rate: keras.optimizers.Adam(rate, beta_1=np.float64(0.9)),
+            "beta_1",
+            np.float64(0.5),
+        ),
+        (_wrapped, "inner_optimizers[0].beta_1", 0.5),
+    )
+    for make, name, value in cases:
         _, ref_vars, ref_loss = make_problem("perceptron")
         ref_opt = make(0.1)
         ref = list(reference_steps(ref_loss, ref_opt, ref_vars, x, y, 2))
-        setattr(ref_opt, name, value)
+        _set(ref_opt, name, value)
         ref += list(reference_steps(ref_loss, ref_opt, ref_vars, x, y, 3))
         _, variables, loss_fn = make_problem("perceptron")
         opt = make(0.1)
         fit = sf.fuse(loss_fn, opt, variables, steps=3, jit_compile=False)
         losses = list(fit(x, y, steps=2).loss)
-        setattr(opt, name, value)
-        with pytest.warns(RuntimeWarning, match=rf"hyper-parameters \({name}: .* traced again"):
+        _set(opt, name, value)
+        with pytest.warns(RuntimeWarning, match=rf"hyper-parameters \({re.escape(name)}: .* again"):
             losses += list(fit(x, y).loss)
         np.testing.assert_allclose(losses, ref, rtol=RTOL, atol=ATOL)
         for a, b in zip(values(variables), values(ref_vars)):
@@ -372,6 +384,18 @@ def test_python_number_hyper_parameters_changed_between_calls_are_used(data):
 
 def _momentum(rate):
     return keras.optimizers.SGD(rate, momentum=0.9)
+
+
+def _wrapped(rate):
+    inner = keras.optimizers.Adam(rate)
+    return keras.optimizers.MultiOptimizer(lambda variable: inner)
+
+
+def _set(optimizer, name, value):
+    """``optimizer.<name> = value``, ``name`` as the warning says it (``inner_optimizers[0].x``)."""
+    if name.startswith("inner_optimizers[0]."):
+        optimizer, name = optimizer._inner_optimizers[0], name.split(".", 1)[1]
+    setattr(optimizer, name, value)
 
 
 @pytest.mark.parametrize("make", [keras.optimizers.Nadam, keras.optimizers.Adafactor])

@@ -7,6 +7,7 @@ import warnings
 from typing import Any, NoReturn
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from .._core import Described, user_stacklevel
@@ -197,17 +198,22 @@ def _learning_rate_of(optimizer):
 
 
 def hyper_of(optimizer: Any) -> tuple:
-    """The optimizer's public attributes that are Python numbers (``beta_1``, ``momentum``,
-    ``weight_decay``, ``clipnorm`` ...): Keras's update reads them as constants when it is
+    """The optimizer's public attributes that are numbers (``beta_1``, ``momentum``,
+    ``weight_decay``, ``clipnorm`` ..., Python's or NumPy's), and those of the optimizers it
+    wraps (a ``MultiOptimizer``'s): Keras's update reads them as constants when it is
     traced, where the learning rate is a variable (`_learning_rate_of`)."""
-    plain = (int, float, bool, type(None))
-    return tuple(
-        sorted(
-            (k, v)
-            for k, v in vars(optimizer).items()
-            if type(v) in plain and not k.startswith("_") and k != "built"
-        )
-    )
+    found = []
+    for k, v in vars(optimizer).items():
+        if v is None or isinstance(v, (int, float, np.number, np.bool_)):
+            if not k.startswith("_") and k != "built":
+                found.append((k, v))
+            continue
+        inner = [v] if isinstance(v, keras.optimizers.Optimizer) else v
+        if isinstance(inner, (list, tuple)) and inner:
+            if all(isinstance(o, keras.optimizers.Optimizer) for o in inner):
+                for i, o in enumerate(inner):
+                    found += [(f"{k.strip('_')}[{i}].{n}", x) for n, x in hyper_of(o)]
+    return tuple(sorted(found, key=lambda kv: kv[0]))
 
 
 def follow_hyper(fit: Any, callback: bool = False) -> None:
@@ -218,8 +224,12 @@ def follow_hyper(fit: Any, callback: bool = False) -> None:
     now = hyper_of(fit.optimizer)
     if now == fit._hyper:
         return
-    old = dict(fit._hyper)
-    said = "; ".join(f"{k}: {old.get(k)!r} -> {v!r}" for k, v in now if old.get(k) != v)
+    old, new = dict(fit._hyper), dict(now)
+    said = "; ".join(
+        f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
+        for k in sorted(old.keys() | new.keys())
+        if old.get(k) != new.get(k)
+    )
     if callback:
         text = (
             "changed in the callback during the call: Keras reads them as constants in the "
