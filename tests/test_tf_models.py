@@ -154,8 +154,13 @@ def test_the_models_train_and_their_other_state_moves(trained):
 def test_random_ops_run_without_xla_and_say_why(trained):
     name, _, (fit, _, _, caught) = trained
     random = MODELS[name][3]
-    assert fit.jit_compile is (not random)
+    # Without random ops jit_compile="auto" picks by timing the two ways on this machine
+    # (either may win on a loaded one): the choice is timed, not forced off.
+    assert fit.jit_compile is fit.plan["xla"]
+    if not random:
+        assert fit.plan["reason"].startswith("jit_compile='auto'"), fit.plan
     if random:
+        assert fit.jit_compile is False
         assert len(caught) == 1, [str(w.message) for w in caught]
         message = str(caught[0].message)
         assert "draws random numbers" in message and "StatelessRandom" in message
