@@ -99,6 +99,8 @@ class Resolved(NamedTuple):
     is traced through these modules (`check_modules_unchanged`)."""
     kids: tuple[tuple[nn.Module, tuple], ...] = ()
     """Each of those modules with its children then (a cheap check that none changed)."""
+    owners: tuple[tuple[nn.Module, str], ...] = ()
+    """``(module, attribute)`` holding each of the optimizer's parameters then."""
 
 
 def bind(wrapper: nn.Module, params: Sequence[torch.Tensor]) -> Resolved | list[int]:
@@ -117,58 +119,76 @@ def bind(wrapper: nn.Module, params: Sequence[torch.Tensor]) -> Resolved | list[
     rnn = any(isinstance(m, nn.RNNBase) for m in wrapper.modules())
     tree = tuple(wrapper.named_modules())
     kids = tuple((m, tuple(m._modules.values())) for _, m in tree)
-    return Resolved(wrapper, [names[id(p)] for p in params], others, buffers, rnn, tree, kids)
+    named = [names[id(p)] for p in params]
+    owners = tuple(
+        (wrapper.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in named
+    )
+    return Resolved(wrapper, named, others, buffers, rnn, tree, kids, owners)
 
 
-def _owners(resolved: Any, params: Any) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    """``(module, attribute, tensor)`` of each parameter the optimizer holds, found once
-    per `Resolved`."""
-    owners = resolved.wrapper.__dict__.get("_stepfuse_owners")
-    if owners is None or owners[0] is not resolved:
-        found = []
-        for name, p in zip(resolved.names, params):
-            prefix, _, leaf = name.rpartition(".")
-            found.append((resolved.wrapper.get_submodule(prefix), leaf, p))
-        owners = resolved.wrapper.__dict__["_stepfuse_owners"] = (resolved, found)
-    return owners[1]
+def _where(name: str, wrapper: nn.Module) -> str:
+    """A module's or parameter's name under the wrapper as the user wrote it (``models.0.fc``
+    -> ``fc``; with several models, which one: ``Critic.fc``, ``Critic[1].fc`` where two
+    are of one class)."""
+    parts = name.split(".")
+    rest = ".".join(parts[2:])
+    models = wrapper.__dict__["_modules"].get("models")
+    if models is None or len(models) < 2 or len(parts) < 2:
+        return rest or "the model"
+    kinds = [type(m).__name__ for m in models]
+    i = int(parts[1])
+    top = kinds[i] if kinds.count(kinds[i]) == 1 else f"{kinds[i]}[{i}]"
+    return f"{top}.{rest}" if rest else top
 
 
-def _where(name: str) -> str:
-    """A module's name under the wrapper as the user wrote it (``models.0.fc`` -> ``fc``)."""
-    parts = name.split(".")[2:]
-    return ".".join(parts) or "the model"
-
-
-def _rearranged(before: tuple, now: tuple) -> list[str]:
-    """Where two `Resolved.tree` readings differ (``"1: Tanh -> ReLU"``, ``"head: Linear added"``)."""
-    old, new = dict(before), dict(now)
+def _rearranged(before: Resolved, now: Resolved) -> list[str]:
+    """Where two `Resolved` readings differ (``"1: Tanh -> ReLU"``, ``"head: Linear added"``,
+    ``"parameter 0.weight -> 0.weight_orig"``: held under another name)."""
+    w = now.wrapper
+    old, new = dict(before.tree), dict(now.tree)
     said = [
-        f"{_where(n)}: {type(m).__name__} -> " + (type(new[n]).__name__ if n in new else "removed")
-        for n, m in before
+        f"{_where(n, w)}: {type(m).__name__} -> "
+        + (type(new[n]).__name__ if n in new else "removed")
+        for n, m in before.tree
         if new.get(n) is not m
     ]
-    return said + [f"{_where(n)}: {type(m).__name__} added" for n, m in now if n not in old]
+    said += [f"{_where(n, w)}: {type(m).__name__} added" for n, m in now.tree if n not in old]
+    return said + [
+        f"parameter {_where(a, w)} -> {_where(b, w)}"
+        for a, b in zip(before.names, now.names)
+        if a != b
+    ]
 
 
 def _follow(fit: Any) -> None:
     """A fused fit whose modules were rearranged after its names were read (a submodule
-    replaced, added or removed: ``model.act = nn.ReLU()``): the plain loop runs the
-    modules as they are now, so the fit reads them again and builds programs for them; an
-    optimizer's parameter no module holds any more is refused (`check_modules_unchanged`)."""
+    replaced, added or removed: ``model.act = nn.ReLU()``; a parameter moved to another name
+    in its module: ``torch.nn.utils.spectral_norm``): the plain loop runs the modules as
+    they are now, so the fit reads them again and builds programs for them. An optimizer's
+    parameter that no module holds any more is refused: the plain loop would run the
+    module's new tensor, and never train it."""
     r = fit._resolved
-    if all(tuple(m._modules.values()) == kids for m, kids in r.kids):  # (by identity)
+    same = all(tuple(m._modules.values()) == kids for m, kids in r.kids)  # (by identity)
+    if same and all(m._parameters.get(k) is p for (m, k), p in zip(r.owners, fit._params)):
         return
     got = bind(r.wrapper, fit._params)
     if isinstance(got, list):
         i = got[0]
-        raise ValueError(
-            f"`model`'s parameter {_where(r.names[i])} "
-            f"{tuple(fit._params[i].shape)} is in no module any more (its module was "
-            "replaced after the fit was built), and the optimizer still holds it: a plain "
-            "loop would never train the new module's parameters. Build a new optimizer over "
-            "the model's parameters and a new fit. Nothing was run or changed."
+        where, shape = _where(r.names[i], r.wrapper), tuple(fit._params[i].shape)
+        owner = r.owners[i][0]
+        how = (
+            "was replaced after the fit was built (module.weight = nn.Parameter(...))"
+            if any(m is owner for m in r.wrapper.modules())
+            else "is in no module any more (its module was replaced after the fit was built)"
         )
-    changed, built = _rearranged(r.tree, got.tree), bool(fit._captured)
+        raise ValueError(
+            f"`model`'s parameter {where} {shape} {how}, and the optimizer still holds the "
+            "old tensor: a plain loop would run the module's new tensor and never train it. "
+            "Build a new optimizer over the model's parameters and a new fit (or write new "
+            "values into the old tensor: with torch.no_grad(): old.copy_(new)). Nothing was "
+            "run or changed."
+        )
+    changed, built = _rearranged(r, got), bool(fit._captured)
     fit._resolved, fit._rnn, fit._submodules = got, got.rnn, None
     fit._program = fit._program_key = fit._random_ops = None
     for cache in (fit._captured, fit._probed, fit._verified):
@@ -189,25 +209,10 @@ def _follow(fit: Any) -> None:
 
 
 def check_modules_unchanged(fit: Any) -> None:
-    """Before a fused call: follow a rearrangement of the modules (`_follow`), and refuse
-    one where a module's parameter is no longer the tensor the optimizer holds
-    (``model.fc = nn.Linear(...)``, ``model.fc.weight = nn.Parameter(...)`` after `fuse`):
-    the program would run the old tensor, where the plain loop runs the new one (and, its
-    optimizer holding the old, never trains it)."""
-    if fit.mode != "fused" or fit._resolved is None:
-        return
-    _follow(fit)
-    for module, leaf, p in _owners(fit._resolved, fit._params):
-        now = module._parameters.get(leaf)
-        if now is not p:
-            raise ValueError(
-                f"`model`'s parameter {type(module).__name__}.{leaf} {tuple(p.shape)} was "
-                "replaced after the fit was built, and the optimizer still holds the old "
-                "tensor: a plain loop would run the new one and never train it. Build a new "
-                "optimizer over the model's parameters and a new fit (or write the new values "
-                "into the old tensor: with torch.no_grad(): old.copy_(new)). Nothing was run "
-                "or changed."
-            )
+    """Before a fused call: follow a rearrangement of the modules, or refuse a parameter
+    replaced in its module (`_follow`)."""
+    if fit.mode == "fused" and fit._resolved is not None:
+        _follow(fit)
 
 
 def rekey_after_callback(fit: Any, start: int) -> None:
