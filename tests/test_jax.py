@@ -511,6 +511,21 @@ def test_a_state_entry_left_inf_is_no_nonfinite_update_but_one_made_inf_again_is
         assert float(state.opt_state[0]["x"]) == 1.0
 
 
+@pytest.mark.parametrize("mode", ["fused", "stepwise"])
+def test_a_call_that_applies_no_update_says_so_and_why(mode):
+    """sqrt(|w|) at w = 0: the loss is finite, its gradient inf, so the first update is
+    refused and the call applies none; a loop reading the losses saw training stall, and
+    only trace.stop said why. The call warns now, naming the step and the gradient."""
+    fit = sf.fuse(lambda w: jnp.sqrt(jnp.abs(w)).sum(), optax.sgd(0.1), steps=3, mode=mode)
+    state = fit.init(jnp.zeros(2))
+    with pytest.warns(RuntimeWarning, match="applied no update") as caught:
+        state, trace = fit(state)
+    assert trace.stop is Stop.NONFINITE and trace.steps == 0 and int(state.step) == 0
+    message = str(caught[0].message)
+    assert "at the fit's step 0" in message and "a gradient or the update itself" in message
+    assert caught[0].filename == __file__
+
+
 def test_vmap_over_8_initialisations_equals_8_separate_fits():
     fit = sf.fuse(mlp_loss, optax.adam(0.01), steps=20)
     inits = [mlp_init((2, 16, 2), seed=s) for s in range(8)]

@@ -11,6 +11,7 @@ option set: plain, tol/record_every/callback, non-finite stop, non-finite raise)
 from __future__ import annotations
 
 import math
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -216,9 +217,17 @@ def nonfinite(backend):
     stepwise fit's call; a stepwise fit (and, for `BITWISE_FUSED`, a fused fit) run for
     exactly k steps."""
     fused = build(backend, *DIVERGING, steps=10)
-    out = SimpleNamespace(fit=fused.fit, trace=fused())
+    with warnings.catch_warnings(record=True) as first:
+        warnings.simplefilter("always")
+        out = SimpleNamespace(fit=fused.fit, trace=fused())
     out.at = snapshot(fused)
-    out.again = fused(steps=5)  # starts finite, refuses the same update again
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        out.again = fused(steps=5)  # starts finite, refuses the same update again
+    out.stuck = [
+        [str(w.message) for w in ws if "applied no update" in str(w.message)]
+        for ws in (first, again)
+    ]
     out.at_again = snapshot(fused)
     ref = build(backend, *DIVERGING, mode="stepwise", steps=10)
     out.ref = ref()
@@ -254,6 +263,10 @@ def test_a_call_after_a_refusal_refuses_the_same_update_again(nonfinite):
     assert_fused(r.fit)
     assert r.again.stop == Stop.NONFINITE and r.again.steps == 0, r.again
     assert_same_point(r.at_again, r.at, rtol=0, atol=0, what="after the second call")
+    # a call that applied nothing says so (the first applied k updates: it says nothing)
+    first, again = r.stuck
+    assert not first and len(again) == 1, r.stuck
+    assert f"at the fit's step {r.k}, was refused" in again[0], again
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,14 @@ fused loop, over Python numbers, so fused == stepwise is one definition run two 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from . import loop
+from .driver import user_stacklevel
 from .evaluation import eval_due, eval_values, host_evals
 from .loop import HOST, Flow
 from .options import Options
@@ -85,4 +87,28 @@ def finish(trace: Trace, opts: Options, start_step: int, state: Any = None) -> T
     (``state``: what a pure backend's call reached, handed to the error)."""
     if opts.on_nonfinite == "raise" and trace.stop == Stop.NONFINITE:
         raise NonFiniteError(start_step + int(trace.steps), trace, state)
+    if trace.stop == Stop.NONFINITE and int(trace.steps) == 0:
+        stuck(trace, start_step)
     return trace
+
+
+def stuck(trace: Trace, step: int) -> None:
+    """Warn that a call applied no update: its first was refused as non-finite, so the
+    fit stays where it was (a call on the same data refuses it again). Only the trace's
+    ``stop`` said so, and a loop reading the losses saw training stall."""
+    loss = float(trace.loss[-1]) if len(trace.loss) else math.nan
+    which = (
+        "a gradient or the update itself was NaN/inf, the loss before it finite (float16 "
+        "state, say: Adam's eps=1e-8 rounds to 0 there)"
+        if math.isfinite(loss)
+        else "the loss before it was NaN/inf"
+    )
+    warnings.warn(
+        f"stepfuse: this call applied no update: its first, at the fit's step {step}, was "
+        f"refused as non-finite ({which}: {loss:.6g}), so the parameters and optimizer "
+        "state are as the call found them, and a call on the same data refuses it again. "
+        f"{Stop.NONFINITE.message} Pass on_nonfinite='raise' to get a NonFiniteError "
+        "instead of this warning.",
+        RuntimeWarning,
+        stacklevel=user_stacklevel(),
+    )

@@ -255,7 +255,7 @@ class Fit:
         else:
             ev = None if evals is None else host_eval_trace(evals)
             trace = host_trace(np.asarray(buf), applied, stop, k, ev)
-            if self.opts.on_nonfinite == "raise":
+            if trace.stop == Stop.NONFINITE:  # raise, or say that nothing was applied
                 # error.state: the new one
                 trace = finish(trace, self.opts, int(state.step) - trace.steps, state)
         return (state, trace, aux) if self.has_aux else (state, trace)
