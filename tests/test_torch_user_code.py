@@ -185,6 +185,65 @@ def test_modules_rearranged_between_calls_run_as_the_plain_loop_runs_them():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_a_call_leaves_every_parameters_grad_as_it_found_it():
+    """A generator's fit whose loss reads the discriminator: the call's eager steps and
+    checks ran backward through the discriminator, whose parameters the optimizer does not
+    hold, and added their gradients into its ``.grad`` (one step's worth, fused; every
+    step's, stepwise). Every parameter's ``.grad`` is now the tensor it was, unchanged."""
+    torch.manual_seed(0)
+    gen, disc = nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 1))
+    z = torch.randn(8, 2)
+    for mode in ("stepwise", "fused"):
+        marks = [torch.full_like(p, 7.0) for p in disc.parameters()]
+        for p, g in zip(disc.parameters(), marks):
+            p.grad = g
+        fit = sf.fuse(
+            lambda z: disc(gen(z)).mean(),
+            torch.optim.SGD(gen.parameters(), lr=0.1),
+            steps=2,
+            mode=mode,
+        )
+        assert fit(z).steps == 2 and fit.mode == mode, fit.fallback_reason
+        for p, g in zip(disc.parameters(), marks):
+            assert p.grad is g and bool((g == 7.0).all()), (mode, p.grad)
+        assert all(p.grad is None for p in gen.parameters())
+
+
+def test_a_parameter_the_optimizer_holds_twice_runs_stepwise_saying_so():
+    """A tied weight listed under both names: torch.optim steps it twice a step. The fused
+    build failed with an inductor error that never named the cause; the fit now runs
+    stepwise from the start, saying why, and equals torch's loop."""
+
+    def tied():
+        torch.manual_seed(0)
+        emb, head = nn.Embedding(5, 4), nn.Linear(4, 5, bias=False)
+        head.weight = emb.weight
+        return nn.ModuleDict({"emb": emb, "head": head})
+
+    ids = torch.tensor([0, 1, 2, 3, 4, 1])
+    losses = {}
+    for how in ("fit", "plain"):
+        m = tied()
+        opt = torch.optim.SGD([m["emb"].weight, m["head"].weight], lr=0.1)
+        loss_fn = lambda: F.cross_entropy(m["head"](m["emb"](ids)), ids)  # noqa: E731
+        if how == "fit":
+            with pytest.warns(RuntimeWarning, match="holds a parameter twice"):
+                fit = sf.fuse(loss_fn, opt, steps=3)
+            assert fit.mode == "stepwise" and fit.compiles == 0
+            losses[how] = (fit().loss, m["emb"].weight.detach().clone())
+        else:
+            plain_losses = []
+            for _ in range(3):
+                opt.zero_grad()
+                loss = loss_fn()
+                loss.backward()
+                opt.step()
+                plain_losses.append(loss.item())
+            losses[how] = (plain_losses, m["emb"].weight.detach().clone())
+    np.testing.assert_allclose(losses["fit"][0], losses["plain"][0], rtol=1e-6)
+    torch.testing.assert_close(losses["fit"][1], losses["plain"][1])
+
+
 def test_bare_tensors_run_stepwise_saying_how_to_hold_them_in_a_module():
     """The seed's problem with bare tensors runs stepwise (the fused program swaps
     parameters inside modules), saying how to hold them; held as the message says, it runs

@@ -70,7 +70,7 @@ from ._probe import (
     transient,
 )
 from ._rules import RULES, SUPPORTED_OPTIMIZERS, hyper
-from ._state import StateLayout, host_losses, put_back, restore
+from ._state import StateLayout, grads_held, host_losses, put_back, restore
 
 __all__ = ["fuse", "Fit", "FusedFit", "BatchError", "SUPPORTED_OPTIMIZERS"]
 
@@ -345,7 +345,7 @@ class Fit:
             _eval.check_call(self._evals, eval_batch)  # eval_fn runs once per eval_batch signature
             self._fed = _data.Fed(batch, self._params[0].device, self.step, n, self.optimizer)
             self._read_trainable()
-            grads_before = [p.grad for p in self._params]
+            grads_before = grads_held(self._params, self._modules)  # (all put back)
             if self.mode == "fused":
                 reason = hooks_reason(self.optimizer, self._params, self._modules)
                 if reason is not None:
@@ -364,7 +364,7 @@ class Fit:
             try:
                 trace = self._call_stepwise(n, start) if eager else self._call_fused(n, start)
             finally:
-                for p, g in zip(self._params, grads_before):
+                for p, g in grads_before:
                     p.grad = g
                 if self.step > start:  # what optimizer.step() tells an lr scheduler watching it
                     self.optimizer._opt_called = True  # type: ignore[attr-defined]

@@ -138,6 +138,13 @@ def resolve(
     compiled = compiled_module_reason(modules)
     if compiled is not None:
         return compiled
+    if len({id(p) for p in params}) < len(params):
+        return (
+            "the optimizer holds a parameter twice (a tied weight listed under both names, "
+            "or a group that repeats it), which torch.optim steps twice a step and the fused "
+            "program cannot carry; the stepwise loop steps it as torch does. List it once "
+            "(model.parameters() does) to run fused."
+        )
     got = bind(_LossModule(loss_fn, modules), params)
     if isinstance(got, list):
         if model_given:

@@ -23,6 +23,7 @@ __all__ = [
     "Held",
     "StateLayout",
     "all_finite",
+    "grads_held",
     "host_loss",
     "host_losses",
     "put_back",
@@ -78,6 +79,22 @@ class Held(list):
     def __init__(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]] = ()):
         super().__init__(pairs)
         self.modules: list[tuple[Any, dict, dict]] = []
+
+
+def grads_held(params: Sequence[torch.Tensor], modules: Iterable[Any]) -> list[tuple]:
+    """``(parameter, its .grad)`` of the optimizer's ``params`` and of every other parameter
+    of ``modules``, each ``.grad`` then set to ``None`` for the call, which puts them all
+    back: its eager steps and checks run ``backward``, which would add their gradients into
+    a parameter the optimizer does not hold (a GAN discriminator's under the generator's
+    fit), into the very tensor the user's ``.grad`` is."""
+    seen = {id(p): p for p in params}
+    for m in modules:
+        for p in m.parameters():
+            seen.setdefault(id(p), p)
+    held = [(p, p.grad) for p in seen.values()]
+    for p, _ in held:
+        p.grad = None
+    return held
 
 
 def put_back(held: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
