@@ -540,6 +540,17 @@ def test_python_lists_as_arrays_get_a_short_error_with_the_fix():
     assert len(text) < 2000, len(text)
 
 
+def test_a_python_generator_of_batches_is_told_how_to_stream_it():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)])
+    ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    fit = sf.fuse(lambda x, y: ce(y, model(x)), keras.optimizers.SGD(0.1), model, steps=2)
+    before = [v.numpy() for v in model.weights]
+    batches = ((X, Y) for _ in range(4))
+    with pytest.raises(TypeError, match=r"(?s)generator.*Dataset\.from_generator"):
+        fit(batches)
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.weights))
+
+
 def test_a_list_of_variables_is_described_briefly_naming_the_culprit_by_path():
     # Its repr (every value of every variable) made a 14,000-character message.
     model = keras.Sequential(

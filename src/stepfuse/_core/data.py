@@ -100,7 +100,11 @@ def _check_arrays(cls: str, arrays: Sequence[Any], what: str, unknown: bool = Fa
                     "or in sorted key order: "
                     f"{cls}(*(d[k] for k in sorted(d))); a stream holds arrays only."
                     if isinstance(a, Mapping)
-                    else "Convert it first, e.g. np.asarray(data); a stream holds arrays only."
+                    else (
+                        "Convert it first, e.g. np.asarray(data), or np.stack(batches) for a "
+                        "list of minibatches (full ones only: drop a smaller last one); a "
+                        "stream holds arrays only."
+                    )
                 ),
             )
         kind = _not_numbers(a)
@@ -201,8 +205,9 @@ class Batches:
 
         Each item is an array, a tuple/list of arrays (``(x, y)``) or a dict of arrays, the
         same structure every time. A dict's values become the stream's arrays in sorted key
-        order (``{"y": ..., "x": ...}`` reaches ``loss_fn`` as ``(x, y)``), as a ``tf.data``
-        element that is a dict does. ``device`` (torch): where the stack goes (``"cuda"``:
+        order (``{"y": ..., "x": ...}`` reaches ``loss_fn`` as ``(x, y)``): a stream holds
+        arrays, so the dict is not passed whole (unlike a ``tf.data`` element that is a
+        dict, which `stepfuse.tf` passes as one argument). ``device`` (torch): where the stack goes (``"cuda"``:
         pinned memory and non-blocking copies); by default, where the items are.
         """
         if not (isinstance(n, numbers.Integral) and not isinstance(n, bool)) or n < 1:
@@ -225,8 +230,10 @@ class Batches:
         if len(items) < n:
             raise ValueError(
                 f"`iterable` ran out after {len(items)} batches; `n` asks for {n}. Pass a "
-                "smaller n, or an iterable that holds more (e.g. itertools.cycle(loader), "
-                "or a new iterator per epoch)."
+                "smaller n (at most the batches left in this pass), or start a new pass: "
+                "it = iter(loader) (a shuffling DataLoader draws a new order; "
+                "itertools.cycle(loader) would replay the first pass's order and its smaller "
+                "last batch)."
             )
         rows, labels = _rows(items)
         columns = []

@@ -187,6 +187,14 @@ def _flat_batch(batch):
                 f"`batch` must hold tensors (or arrays, numbers), also inside dicts, tuples and "
                 f"lists; tensor {i} of it is {type(b).__name__}, which TensorFlow cannot convert "
                 f"({e}). Pass the values loss_fn needs as tensors."
+                + (
+                    " For a stream of batches (a Python generator, a keras.utils.PyDataset): "
+                    "iter(tf.data.Dataset.from_generator(...)), one element a step, or "
+                    "stepfuse.Batches of the stacked batches."
+                    if (hasattr(b, "__iter__") or hasattr(b, "__getitem__"))
+                    and not isinstance(b, (str, bytes, list, tuple, dict))
+                    else ""
+                )
             ) from None
     return tuple(flat), tf.nest.map_structure(lambda _: 0, batch)
 
