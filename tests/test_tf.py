@@ -891,6 +891,7 @@ def test_tfs_stateful_random_ops_are_named_with_what_they_draw():
         return loss
 
     want = [float(step(x)) for _ in range(3)]
+    after = float(tf.random.uniform([]))  # the global random state that loop leaves
     tf.random.set_seed(5)
     w2, loss_fn2, opt2 = build()
     fit = sf.fuse(loss_fn2, opt2, [w2], steps=3, jit_compile=False)
@@ -900,5 +901,6 @@ def test_tfs_stateful_random_ops_are_named_with_what_they_draw():
         r"tf\.random\.Generator",
     ):
         trace = fit(x)
+    assert float(tf.random.uniform([])) == after
     np.testing.assert_allclose(trace.loss, want, rtol=1e-6)
     np.testing.assert_allclose(w2.numpy(), w.numpy(), rtol=1e-6)

@@ -104,7 +104,8 @@ def probe(fit: Any, batch: Any) -> Probe:
             "; e.g. tf.random.normal, tf.image.random_flip_left_right), which draw other "
             "numbers inside a tf.function than eagerly under the same global seed "
             "(TensorFlow's behaviour). The fit draws what a GradientTape loop inside a "
-            "tf.function draws, not an eager one. To draw the same numbers in both, use a "
+            "tf.function draws, not an eager one (and leaves the global random state as that "
+            "loop does). To draw the same numbers in both, use a "
             "tf.random.Generator or keras.random with a keras.random.SeedGenerator.",
             RuntimeWarning,
             stacklevel=4,

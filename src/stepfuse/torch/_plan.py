@@ -126,7 +126,7 @@ def choose(
     a chunk runs its forward pass, also the masked steps after the call's last one, whose
     draws would advance the random state past the plain loop's."""
     if draws:
-        return Plan(1, "loss_fn draws random numbers (dropout): one step a chunk")
+        return Plan(1, "loss_fn draws random numbers (dropout, torch.randn ...): one step a chunk")
     if chunk is not None:
         return Plan(chunk, "given to fuse")
     if cuda:
