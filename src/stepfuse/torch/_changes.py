@@ -101,6 +101,9 @@ class Resolved(NamedTuple):
     """Each of those modules with its children then (a cheap check that none changed)."""
     owners: tuple[tuple[nn.Module, str], ...] = ()
     """``(module, attribute)`` holding each of the optimizer's parameters then."""
+    outside: tuple[torch.Tensor, ...] = ()
+    """The modules' parameters the optimizer does not hold (their ``.grad`` is put back
+    after a call: `stepfuse.torch._state.grads_held`)."""
 
 
 def bind(wrapper: nn.Module, params: Sequence[torch.Tensor]) -> Resolved | list[int]:
@@ -123,7 +126,8 @@ def bind(wrapper: nn.Module, params: Sequence[torch.Tensor]) -> Resolved | list[
     owners = tuple(
         (wrapper.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in named
     )
-    return Resolved(wrapper, named, others, buffers, rnn, tree, kids, owners)
+    outside = tuple(p for p in wrapper.parameters() if id(p) not in held)
+    return Resolved(wrapper, named, others, buffers, rnn, tree, kids, owners, outside)
 
 
 def _where(name: str, wrapper: nn.Module) -> str:

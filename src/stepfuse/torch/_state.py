@@ -81,20 +81,23 @@ class Held(list):
         self.modules: list[tuple[Any, dict, dict]] = []
 
 
-def grads_held(params: Sequence[torch.Tensor], modules: Iterable[Any]) -> list[tuple]:
-    """``(parameter, its .grad)`` of the optimizer's ``params`` and of every other parameter
-    of ``modules``, each ``.grad`` then set to ``None`` for the call, which puts them all
-    back: its eager steps and checks run ``backward``, which would add their gradients into
-    a parameter the optimizer does not hold (a GAN discriminator's under the generator's
-    fit), into the very tensor the user's ``.grad`` is."""
-    seen = {id(p): p for p in params}
-    for m in modules:
-        for p in m.parameters():
-            seen.setdefault(id(p), p)
-    held = [(p, p.grad) for p in seen.values()]
-    for p, _ in held:
-        p.grad = None
-    return held
+def grads_held(
+    params: Sequence[torch.Tensor], outside: Sequence[torch.Tensor] | None, modules: Any
+) -> list[tuple]:
+    """``(parameter, its .grad)`` of the optimizer's ``params`` and of the modules' other
+    parameters (``outside``, found once per module tree; ``None``: walk ``modules``), each
+    ``.grad`` then set to ``None`` for the call, which puts them all back: its eager steps
+    and checks run ``backward``, which would add their gradients into a parameter the
+    optimizer does not hold (a GAN discriminator's under the generator's fit), into the
+    very tensor the user's ``.grad`` is."""
+    if outside is None:
+        outside = [p for m in modules for p in m.parameters()]
+    unique = {id(p): p for p in (*params, *outside)}.values()  # (each once: a tied weight)
+    kept = [(p, p.grad) for p in unique]
+    for p, g in kept:
+        if g is not None:
+            p.grad = None
+    return kept
 
 
 def put_back(held: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
