@@ -11,6 +11,8 @@ counting the steps applied before it (and keeps the loop off XLA, which drops th
 strings keep it off XLA, and a loss of unknown static shape (a ``tf.numpy_function``) runs.
 """
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -298,3 +300,42 @@ def test_a_call_from_the_fits_own_callback_is_refused():
     )
     assert fit(X, Y).steps == 2 and fit.step == 2
     assert len(refused) == 2 and "stepfuse.tf: this fit is already running" in refused[0]
+
+
+def test_a_loss_that_applies_its_own_update_is_told_it_makes_two_a_step():
+    """``loss_fn`` calling a custom ``train_step`` (which applies the optimizer itself):
+    each fused step applied two updates, silently (3 steps, ``iterations`` 6). The fit
+    still does what a plain loop with this ``loss_fn`` does, and now warns, naming the
+    written variables and the loss-only alternative; a loss that writes only BatchNorm
+    statistics is not warned about."""
+
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(3)
+
+        def call(self, x, training=False):
+            return self.dense(x)
+
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+            return {"loss": loss}
+
+    model = Net()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=_ce)
+    model(X[:1])
+    fit = sf.fuse(lambda x, y: model.train_step((x, y))["loss"], model.optimizer, model, steps=3)
+    with pytest.warns(RuntimeWarning, match=r"(?s)writes variables the fit trains.*two updates"):
+        fit(X, Y)
+    assert int(model.optimizer.iterations) == 6 and fit.step == 3
+    bn = batchnorm_mlp()
+    bn_fit = sf.fuse(
+        lambda x, y: _ce(y, bn(x, training=True)), keras.optimizers.SGD(0.1), bn, steps=2
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        bn_fit(X, Y)

@@ -97,6 +97,19 @@ def probe(fit: Any, batch: Any) -> Probe:
     loss = concrete.structured_outputs
     op_types = _op_types(concrete.graph.as_graph_def())
     written, random_states = variables_written(concrete.graph)
+    trained = {id(v) for v in fit._state}
+    own = sorted({v.name for v in written or () if id(v) in trained})
+    if own:
+        warnings.warn(
+            f"stepfuse.tf: loss_fn writes variables the fit trains or its optimizer's state "
+            f"({', '.join(own[:4])}{', ...' if len(own) > 4 else ''}), so each step applies "
+            "those writes and then the optimizer's update, as a plain loop with this loss_fn "
+            "does. If loss_fn calls model.train_step, optimizer.apply_gradients or minimize, "
+            "that is two updates a step: give fuse the loss alone (e.g. "
+            "model.compute_loss(x=x, y=y, y_pred=model(x, training=True))).",
+            RuntimeWarning,
+            stacklevel=4,
+        )
     legacy = sorted(op_types & _SEEDED_BY_GRAPH)
     if legacy:
         warnings.warn(
