@@ -207,6 +207,9 @@ def test_a_call_leaves_every_parameters_grad_as_it_found_it():
         for p, g in zip(disc.parameters(), marks):
             assert p.grad is g and bool((g == 7.0).all()), (mode, p.grad)
         assert all(p.grad is None for p in gen.parameters())
+        with pytest.raises(RuntimeError):  # refused by the checks before any step
+            fit(torch.randn(8, 3))
+        assert all(p.grad is g for p, g in zip(disc.parameters(), marks)), mode
 
 
 def test_a_parameter_the_optimizer_holds_twice_runs_stepwise_saying_so():

@@ -70,7 +70,7 @@ from ._probe import (
     transient,
 )
 from ._rules import RULES, SUPPORTED_OPTIMIZERS, hyper
-from ._state import StateLayout, grads_held, host_losses, put_back, restore
+from ._state import StateLayout, grads_kept, host_losses, put_back, restore
 
 __all__ = ["fuse", "Fit", "FusedFit", "BatchError", "SUPPORTED_OPTIMIZERS"]
 
@@ -346,29 +346,27 @@ class Fit:
             self._fed = _data.Fed(batch, self._params[0].device, self.step, n, self.optimizer)
             self._read_trainable()
             r = self._resolved if self.mode == "fused" else None  # (all put back)
-            grads_before = grads_held(self._params, r and r.outside, self._modules)
-            if self.mode == "fused":
-                reason = hooks_reason(self.optimizer, self._params, self._modules)
-                if reason is not None:
-                    self._fall_back(f"{reason}; pass mode='stepwise' to silence this warning.")
-            self._probe(self._fed.at(0))  # a step's own arguments (the first minibatch)
-            _ranks.agree_setup(self, n)  # several ranks: the same call on each (`_ranks`)
-            start = self.step
-            if self.mode == "fused":
-                self._ensure_program()
-            _ranks.agree_mode(self)
-            # A fit whose loss draws runs a call fused once its program drew as eagerly.
-            eager = self.mode == "stepwise" or not draws_verified(self, self._fed.at(0))
-            eager = _ranks.agree_eager(self, eager)
-            # No snapshot to restore after an error: params, state and `step` change together
-            # (`_commit`, after a program call); a failed step is undone where it ran.
-            try:
-                trace = self._call_stepwise(n, start) if eager else self._call_fused(n, start)
-            finally:
-                for p, g in grads_before:
-                    p.grad = g
-                if self.step > start:  # what optimizer.step() tells an lr scheduler watching it
-                    self.optimizer._opt_called = True  # type: ignore[attr-defined]
+            with grads_kept(self._params, r and r.outside, self._modules):
+                if self.mode == "fused":
+                    reason = hooks_reason(self.optimizer, self._params, self._modules)
+                    if reason is not None:
+                        self._fall_back(f"{reason}; pass mode='stepwise' to silence this warning.")
+                self._probe(self._fed.at(0))  # a step's own arguments (the first minibatch)
+                _ranks.agree_setup(self, n)  # several ranks: the same call on each (`_ranks`)
+                start = self.step
+                if self.mode == "fused":
+                    self._ensure_program()
+                _ranks.agree_mode(self)
+                # A fit whose loss draws runs a call fused once its program drew as eagerly.
+                eager = self.mode == "stepwise" or not draws_verified(self, self._fed.at(0))
+                eager = _ranks.agree_eager(self, eager)
+                # No snapshot to restore after an error: params, state and `step` change together
+                # (`_commit`, after a program call); a failed step is undone where it ran.
+                try:
+                    trace = self._call_stepwise(n, start) if eager else self._call_fused(n, start)
+                finally:
+                    if self.step > start:  # what optimizer.step() tells an lr scheduler watching it
+                        self.optimizer._opt_called = True  # type: ignore[attr-defined]
             return finish(trace, self.opts, start)
 
     def _probe(self, batch: tuple) -> None:

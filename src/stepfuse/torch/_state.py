@@ -9,8 +9,9 @@ optimizer carries on with ordinary PyTorch afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ __all__ = [
     "Held",
     "StateLayout",
     "all_finite",
-    "grads_held",
+    "grads_kept",
     "host_loss",
     "host_losses",
     "put_back",
@@ -81,15 +82,16 @@ class Held(list):
         self.modules: list[tuple[Any, dict, dict]] = []
 
 
-def grads_held(
+@contextlib.contextmanager
+def grads_kept(
     params: Sequence[torch.Tensor], outside: Sequence[torch.Tensor] | None, modules: Any
-) -> list[tuple]:
-    """``(parameter, its .grad)`` of the optimizer's ``params`` and of the modules' other
-    parameters (``outside``, found once per module tree; ``None``: walk ``modules``), each
-    ``.grad`` then set to ``None`` for the call, which puts them all back: its eager steps
-    and checks run ``backward``, which would add their gradients into a parameter the
-    optimizer does not hold (a GAN discriminator's under the generator's fit), into the
-    very tensor the user's ``.grad`` is."""
+) -> Iterator[None]:
+    """Inside: the ``.grad`` of the optimizer's ``params`` and of the modules' other
+    parameters (``outside``, found once per module tree; ``None``: walk ``modules``) set
+    to ``None``; after, however it ends, each put back, the very tensor it was. A call's
+    eager steps and checks run ``backward``, which would add their gradients into a
+    parameter the optimizer does not hold (a GAN discriminator's under the generator's
+    fit), into the tensor the user's ``.grad`` is."""
     if outside is None:
         outside = [p for m in modules for p in m.parameters()]
     unique = {id(p): p for p in (*params, *outside)}.values()  # (each once: a tied weight)
@@ -97,7 +99,11 @@ def grads_held(
     for p, g in kept:
         if g is not None:
             p.grad = None
-    return kept
+    try:
+        yield
+    finally:
+        for p, g in kept:
+            p.grad = g
 
 
 def put_back(held: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
