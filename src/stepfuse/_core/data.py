@@ -207,8 +207,9 @@ class Batches:
         same structure every time. A dict's values become the stream's arrays in sorted key
         order (``{"y": ..., "x": ...}`` reaches ``loss_fn`` as ``(x, y)``): a stream holds
         arrays, so the dict is not passed whole (unlike a ``tf.data`` element that is a
-        dict, which `stepfuse.tf` passes as one argument). ``device`` (torch): where the stack goes (``"cuda"``:
-        pinned memory and non-blocking copies); by default, where the items are.
+        dict, which `stepfuse.tf` passes as one argument). ``device`` (torch): where the
+        stack goes (``"cuda"``: pinned memory and non-blocking copies); by default, where
+        the items are.
         """
         if not (isinstance(n, numbers.Integral) and not isinstance(n, bool)) or n < 1:
             fail(

@@ -156,7 +156,8 @@ def check_dtypes_kept(optimizer: optax.GradientTransformation, params: Any, opt_
                 f"an update with these params makes it {w.dtype} (the state was made for "
                 "params of another dtype?): the fused loop carries the state with fixed dtypes, "
                 "where a plain loop would promote it at its first step. Cast it to what the "
-                "update gives (the first step then computes in that dtype throughout), e.g. state._replace(opt_state=jax.tree.map(lambda a, b: "
+                "update gives (the first step then computes in that dtype throughout), e.g. "
+                "state._replace(opt_state=jax.tree.map(lambda a, b: "
                 "a.astype(b.dtype), state.opt_state, fit.init(state.params).opt_state)), or "
                 "start again from fit.init(params)."
             )

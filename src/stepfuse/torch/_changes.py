@@ -103,7 +103,7 @@ class Resolved(NamedTuple):
     """``(module, attribute)`` holding each of the optimizer's parameters then."""
     outside: tuple[torch.Tensor, ...] = ()
     """The modules' parameters the optimizer does not hold (their ``.grad`` is put back
-    after a call: `stepfuse.torch._state.grads_held`)."""
+    after a call: `stepfuse.torch._state.grads_kept`)."""
 
 
 def bind(wrapper: nn.Module, params: Sequence[torch.Tensor]) -> Resolved | list[int]:
@@ -117,16 +117,18 @@ def bind(wrapper: nn.Module, params: Sequence[torch.Tensor]) -> Resolved | list[
     if missing:
         return missing
     held = {id(p) for p in params}
-    others = [n for n, p in wrapper.named_parameters() if id(p) not in held and p.requires_grad]
+    rest = [(n, p) for n, p in wrapper.named_parameters() if id(p) not in held]
+    others = [n for n, p in rest if p.requires_grad]
     buffers = tuple(n for n, _ in wrapper.named_buffers())
     rnn = any(isinstance(m, nn.RNNBase) for m in wrapper.modules())
     tree = tuple(wrapper.named_modules())
     kids = tuple((m, tuple(m._modules.values())) for _, m in tree)
     named = [names[id(p)] for p in params]
     owners = tuple(
-        (wrapper.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in named
+        (wrapper.get_submodule(prefix), leaf)
+        for prefix, _, leaf in (n.rpartition(".") for n in named)
     )
-    outside = tuple(p for p in wrapper.parameters() if id(p) not in held)
+    outside = tuple(p for _, p in rest)
     return Resolved(wrapper, named, others, buffers, rnn, tree, kids, owners, outside)
 
 

@@ -345,7 +345,7 @@ class Fit:
             _eval.check_call(self._evals, eval_batch)  # eval_fn runs once per eval_batch signature
             self._fed = _data.Fed(batch, self._params[0].device, self.step, n, self.optimizer)
             self._read_trainable()
-            r = self._resolved if self.mode == "fused" else None  # (all put back)
+            r = self._resolved if self.mode == "fused" else None  # (stepwise: walk modules)
             with grads_kept(self._params, r and r.outside, self._modules):
                 if self.mode == "fused":
                     reason = hooks_reason(self.optimizer, self._params, self._modules)
