@@ -15,6 +15,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import slow_params
 from torch_helpers import (
     OPTIMIZERS,
@@ -861,34 +862,190 @@ def test_an_lr_scheduler_stepped_after_a_fused_call_sees_the_optimizer_stepped()
         assert optimizer.param_groups[0]["lr"] == base * 0.5, mode
 
 
-def test_a_callback_that_changes_the_lr_takes_effect_for_the_rest_of_the_call():
-    """Hyper-parameters are compiled into the fused program: one the callback changes
-    mid-call recompiles it for the remaining steps (the old lr was used silently), with a
-    warning that says what a recompile costs; the result is the stepwise loop's."""
+@pytest.mark.parametrize("key, value", [("lr", 0.0), ("momentum", 0.2)])
+def test_a_callback_that_changes_a_hyper_parameter_takes_effect_for_the_rest_of_the_call(
+    key, value
+):
+    """A hyper-parameter the callback changes mid-call holds for the remaining steps (the
+    old lr was once used silently), as in the stepwise loop. ``lr`` is an input of the
+    fused program: the same program runs on, no warning; ``momentum`` is compiled in: the
+    program is compiled again, with a warning naming the change."""
     out = {}
     for mode in ("fused", "stepwise"):
         model, optimizer, loss_fn = make("perceptron", "sgd_momentum")
+        before = optimizer.param_groups[0][key]
 
-        def stop_moving(step, loss, optimizer=optimizer):
+        def change(step, loss, optimizer=optimizer):
             if step == 2:
-                optimizer.param_groups[0]["lr"] = 0.0
+                optimizer.param_groups[0][key] = value
 
-        fit = sf.fuse(
-            loss_fn, optimizer, steps=6, callback=stop_moving, every=2, chunk=2, mode=mode
-        )
-        if mode == "fused":
-            with pytest.warns(RuntimeWarning, match="compiled again"):
+        fit = sf.fuse(loss_fn, optimizer, steps=6, callback=change, every=2, chunk=2, mode=mode)
+        if mode == "fused" and key != "lr":
+            with pytest.warns(RuntimeWarning, match="compiled again") as got:
                 trace = fit(X, Y)
-            assert_fused(fit)
-            assert fit.compiles == 2
+            assert f"group 0 {key}: {before!r} -> {value!r}" in str(got[0].message)
         else:
-            trace = fit(X, Y)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", RuntimeWarning)
+                trace = fit(X, Y)
+        assert_mode(fit, mode)
+        if mode == "fused":
+            assert fit.compiles == (1 if key == "lr" else 2)
         out[mode] = (trace.loss, params_of(model), state_of(optimizer))
     np.testing.assert_allclose(out["fused"][0], out["stepwise"][0], rtol=1e-6)
     losses = out["fused"][0]
-    assert losses[1] != losses[2] and np.all(losses[2:] == losses[2])  # lr 0 from update 2 on
+    if key == "lr":
+        assert losses[1] != losses[2] and np.all(losses[2:] == losses[2])  # lr 0 from update 2
     assert_close_lists(out["fused"][1], out["stepwise"][1])
     assert_same_state(out["fused"][2], out["stepwise"][2])
+
+
+def test_lr_schedulers_stepped_between_calls_run_one_program_as_the_plain_loop_runs():
+    """An lr scheduler stepped after each call (two param groups, each its own schedule)
+    changes the next call's lr without a compile (each new lr compiled again before: ~45 s a
+    call on the 2-core VM); the fit equals the plain loop stepping the same schedulers
+    after as many single steps, and the last lr, set by hand, too."""
+    model, optimizer, loss_fn = make("mlp", param_groups=_two_adam_groups)
+    ref_m, ref_o, _ = make("mlp", param_groups=_two_adam_groups)
+    fit = sf.fuse(loss_fn, optimizer, steps=3, chunk=2)
+    schedulers = [_schedulers(o) for o in (optimizer, ref_o)]
+    losses, ref = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for call in range(5):
+            if call == 4:
+                for o in (optimizer, ref_o):
+                    o.param_groups[1]["lr"] = 0.25  # by hand, the fit's float64 input too
+            losses.append(fit(X, Y).loss)
+            ref.append(reference_steps(ref_m, ref_o, 3))
+            for s in schedulers:
+                s.step()
+    assert_fused(fit)
+    assert fit.compiles == 1
+    assert optimizer.param_groups[0]["lr"] == ref_o.param_groups[0]["lr"] != 0.01
+    np.testing.assert_allclose(np.concatenate(losses), np.concatenate(ref), rtol=1e-6)
+    assert_close_lists(params_of(model), params_of(ref_m))
+    assert_same_state(state_of(optimizer), state_of(ref_o))
+
+
+def _warmup_then_cosine(optimizer):
+    """A per-batch schedule: 3 warm-up steps (LambdaLR), then cosine annealing."""
+    lr = torch.optim.lr_scheduler
+    warmup = lr.LambdaLR(optimizer, lambda e: (e + 1) / 4)
+    return lr.SequentialLR(
+        optimizer, [warmup, lr.CosineAnnealingLR(optimizer, T_max=6)], milestones=[3]
+    )
+
+
+def _plain_scheduled(model, optimizer, scheduler, n):
+    """The plain loop of a per-batch schedule: ``optimizer.step(); scheduler.step()``."""
+    losses = []
+    for _ in range(n):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(X), Y)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("mode", ["fused", "stepwise"])
+def test_an_lr_scheduler_given_to_fuse_steps_after_every_update_as_the_plain_loop(mode):
+    """``fuse(lr_scheduler=)`` steps the scheduler after each update, inside the call: the
+    fused program reads each step's lr from a table (one compile for every call), and
+    calls of 3, 4 and 2 steps (chunk 2: masked steps) equal the plain loop stepping it
+    after each ``optimizer.step()``, losses, parameters, state, the groups' lr and the
+    scheduler's own count."""
+    model, optimizer, loss_fn = make("mlp", param_groups=_two_adam_groups)
+    ref_m, ref_o, _ = make("mlp", param_groups=_two_adam_groups)
+    sched, ref_s = _warmup_then_cosine(optimizer), _warmup_then_cosine(ref_o)
+    fit = sf.fuse(loss_fn, optimizer, steps=4, chunk=2, mode=mode, lr_scheduler=sched)
+    losses, ref = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for n in (3, 4, 2):
+            losses.append(fit(X, Y, steps=n).loss)
+            ref += _plain_scheduled(ref_m, ref_o, ref_s, n)
+    assert_mode(fit, mode)
+    if mode == "fused":
+        assert fit.compiles == 1
+    assert sched.last_epoch == ref_s.last_epoch == 9
+    assert [g["lr"] for g in optimizer.param_groups] == [g["lr"] for g in ref_o.param_groups]
+    np.testing.assert_allclose(np.concatenate(losses), ref, rtol=1e-6)
+    assert_close_lists(params_of(model), params_of(ref_m))
+    assert_same_state(state_of(optimizer), state_of(ref_o))
+
+
+def test_an_lr_scheduler_is_stepped_once_per_update_a_call_applied():
+    """A call that ``tol`` stops early steps the scheduler once per update it applied,
+    as the plain loop that stopped there: the next call starts at that step's lr."""
+    model, optimizer, loss_fn = make("perceptron", "sgd_momentum")
+    ref_m, ref_o, _ = make("perceptron", "sgd_momentum")
+    sched = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5)
+    ref_s = torch.optim.lr_scheduler.ExponentialLR(ref_o, gamma=0.5)
+    fit = sf.fuse(loss_fn, optimizer, steps=40, tol=1e-3, lr_scheduler=sched)
+    trace = fit(X, Y)
+    assert_fused(fit)
+    assert trace.stop == Stop.TOL and 1 < trace.steps < 40, (trace.stop, trace.steps)
+    ref = _plain_scheduled(ref_m, ref_o, ref_s, trace.steps)
+    assert sched.last_epoch == ref_s.last_epoch == trace.steps
+    assert optimizer.param_groups[0]["lr"] == ref_o.param_groups[0]["lr"]
+    np.testing.assert_allclose(trace.loss[: trace.steps], ref, rtol=1e-6)
+    assert_close_lists(params_of(model), params_of(ref_m))
+
+
+def test_an_lr_scheduler_that_cycles_momentum_runs_stepwise_saying_why():
+    """OneCycleLR's default ``cycle_momentum`` changes momentum at every step, which the
+    program compiles in: the fit runs stepwise (before any compile), naming the key and
+    the fix, and equals the plain loop."""
+    model, optimizer, loss_fn = make("perceptron", "sgd_momentum")
+    ref_m, ref_o, _ = make("perceptron", "sgd_momentum")
+    cycle = lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.5, total_steps=10)  # noqa: E731
+    sched, ref_s = cycle(optimizer), cycle(ref_o)
+    fit = sf.fuse(loss_fn, optimizer, steps=5, lr_scheduler=sched)
+    with pytest.warns(RuntimeWarning, match="(?s)changes momentum.*cycle_momentum=False"):
+        losses = fit(X, Y).loss
+    assert fit.mode == "stepwise" and fit.compiles == 0
+    ref = _plain_scheduled(ref_m, ref_o, ref_s, 5)
+    np.testing.assert_allclose(losses, ref, rtol=1e-6)
+    assert optimizer.param_groups[0]["momentum"] == ref_o.param_groups[0]["momentum"]
+    assert_close_lists(params_of(model), params_of(ref_m))
+
+
+def test_bad_lr_schedulers_are_refused_naming_the_argument():
+    model, optimizer, loss_fn = make("perceptron", "sgd")
+    other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    lr = torch.optim.lr_scheduler
+    cases = [
+        (lr.ReduceLROnPlateau(optimizer), TypeError, "(?s)lr_scheduler.*steps on a metric"),
+        (lr.StepLR(other, 2), ValueError, "(?s)lr_scheduler.*over another optimizer"),
+        (lambda step: 0.1, TypeError, "(?s)lr_scheduler.*LRScheduler"),
+    ]
+    for scheduler, error, match in cases:
+        with pytest.raises(error, match=match):
+            sf.fuse(loss_fn, optimizer, steps=3, lr_scheduler=scheduler)
+
+
+def _two_adam_groups(model):
+    w1, b1, w2, b2 = model.parameters()
+    return torch.optim.Adam, [
+        {"params": [w1, b1], "lr": 0.01},
+        {"params": [w2, b2], "lr": 0.05, "weight_decay": 0.1},
+    ]
+
+
+def _schedulers(optimizer):
+    """Cosine annealing on group 0, a warm-up factor on group 1 (a LambdaLR per group)."""
+    lr = torch.optim.lr_scheduler
+    return lr.SequentialLR(
+        optimizer,
+        [
+            lr.LambdaLR(optimizer, [lambda e: 1.0, lambda e: min(1.0, (e + 1) / 3)]),
+            lr.CosineAnnealingLR(optimizer, T_max=4),
+        ],
+        milestones=[2],
+    )
 
 
 def test_graph_path_copies_nested_batch_tensors_into_its_buffers(monkeypatch):

@@ -12,6 +12,6 @@ from ._fit import SUPPORTED_OPTIMIZERS as SUPPORTED_OPTIMIZERS
 from ._fit import BatchError as BatchError
 from ._fit import Fit as Fit
 from ._fit import FusedFit as FusedFit
-from ._fit import fuse as fuse
+from ._fuse import fuse as fuse
 
 __all__ = ["SUPPORTED_OPTIMIZERS", "BatchError", "Batches", "Epochs", "Fit", "FusedFit", "fuse"]

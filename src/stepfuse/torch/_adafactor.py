@@ -37,7 +37,7 @@ KEYS = ("step", "row_var", "col_var", "variance")
 
 _SCHEMA = (
     "(Tensor[] params, Tensor[] grads, Tensor[] row_vars, Tensor[] col_vars, "
-    "Tensor[] variances, Tensor[] steps, bool? foreach, float d, float lr, "
+    "Tensor[] variances, Tensor[] steps, bool? foreach, float d, Tensor lr, "
     "float beta2_decay, float weight_decay, float? eps1, float eps2, bool maximize) "
     "-> Tensor[]"
 )
@@ -77,7 +77,7 @@ def _kernel(
     steps: Sequence[torch.Tensor],
     foreach: bool | None,
     d: float,
-    lr: float,
+    lr: torch.Tensor,
     beta2_decay: float,
     weight_decay: float,
     eps1: float | None,
@@ -108,7 +108,7 @@ def _kernel(
             new_steps,
             foreach=foreach,
             d=d,
-            lr=lr,
+            lr=lr.item(),  # a Python float, as the plain loop's (float64: the same value)
             beta2_decay=beta2_decay,
             weight_decay=weight_decay,
             eps1=eps1,  # type: ignore[arg-type]  # torch reads None as its dtype's eps
@@ -147,7 +147,7 @@ def update(
         s["step"],
         g.get("foreach"),
         float(g["d"]),
-        float(g["lr"]),
+        torch.as_tensor(g["lr"], dtype=torch.float64),  # (an input of the program: `Body.rates`)
         float(g["beta2_decay"]),
         float(g["weight_decay"]),
         None if eps1 is None else float(eps1),

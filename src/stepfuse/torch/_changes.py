@@ -18,6 +18,7 @@ __all__ = [
     "bind",
     "check_modules_unchanged",
     "compiled_module_reason",
+    "hypers_changed",
     "module_numbers",
     "numbers_changed",
     "rekey_after_callback",
@@ -66,6 +67,30 @@ def numbers_changed(subs: Any, before: tuple, now: tuple) -> None:
             RuntimeWarning,
             stacklevel=user_stacklevel(),
         )
+
+
+def hypers_changed(before: tuple, now: tuple) -> None:
+    """Warn where a program is compiled again because a group's hyper-parameter other than
+    ``lr`` changed (``before`` / ``now``: `stepfuse.torch.Fit._hyper_key` with rates)."""
+    changed = [
+        f"group {i} {k}: {dict(b).get(k)!r} -> {v!r}"
+        for i, (b, n) in enumerate(zip(before, now))
+        for k, v in n
+        if dict(b).get(k) != v
+    ]
+    if len(before) != len(now):
+        changed.append(f"{len(before)} -> {len(now)} param_groups")
+    warnings.warn(
+        "stepfuse.torch: the optimizer's hyper-parameters other than lr changed "
+        f"({'; '.join(changed[:4])}): the fused program holds them as constants, so it is "
+        "compiled again now. A schedule that changes them every call pays a compile every "
+        "call (the last programs are kept: values seen before reuse theirs): OneCycleLR and "
+        "CyclicLR cycle momentum / betas unless given cycle_momentum=False. lr is an input "
+        "of the program (an lr scheduler alone compiles nothing); mode='stepwise' compiles "
+        "nothing.",
+        RuntimeWarning,
+        stacklevel=user_stacklevel(),
+    )
 
 
 def compiled_module_reason(modules: Any) -> str | None:

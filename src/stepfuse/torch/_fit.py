@@ -13,7 +13,7 @@ naming the reason (`stepfuse.torch._probe`), when the fused path cannot handle a
 optimizer.
 
 The modules by job: docs/internals/torch.md; here: `Fit` (setup, fallback policy, the
-host driver of a call) and `fuse`.
+host driver of a call); `fuse` builds it (`stepfuse.torch._fuse`).
 """
 
 from __future__ import annotations
@@ -35,8 +35,6 @@ from .._core import (
     Stop,
     Trace,
     check_call_steps,
-    check_int,
-    check_options,
     deferred_interrupts,
     exclusive,
     finish,
@@ -45,9 +43,7 @@ from .._core import (
     named_evals,
     next_multiple,
     run_stepwise,
-    user_stacklevel,
 )
-from .._core.options import shared_doc
 from . import _changes, _cuda, _data, _eager, _eval, _plan, _program, _ranks
 from ._draws import draws_verified
 from ._failure import build_failure, prove
@@ -58,8 +54,6 @@ from ._probe import (
     Resolved,
     Trainable,
     batch_signature,
-    check_arguments,
-    check_clip,
     check_params_unchanged,
     find_modules,
     hooks_reason,
@@ -69,12 +63,12 @@ from ._probe import (
     resolve,
     transient,
 )
-from ._rules import RULES, SUPPORTED_OPTIMIZERS, hyper
+from ._rules import RULES, SUPPORTED_OPTIMIZERS, hyper, hyper_key, rates
+from ._schedule import Schedule
 from ._state import StateLayout, grads_kept, host_losses, put_back, restore
 
-__all__ = ["fuse", "Fit", "FusedFit", "BatchError", "SUPPORTED_OPTIMIZERS"]
+__all__ = ["Fit", "FusedFit", "BatchError", "SUPPORTED_OPTIMIZERS"]
 
-_MODES = ("fused", "stepwise")
 _SEGMENT = 512  # at most this many steps per program call (see Fit._cap)
 _GRAPH_CACHE = 4  # programs kept (per batch signature and hyper-parameters)
 _BUILD_TRIES = 2  # a build that failed for a reason outside the model is tried again once
@@ -102,6 +96,7 @@ class Fit:
         model: nn.Module | None,
         chunk: int | None,
         clip: tuple[float | None, float | None] = (None, None),
+        lr_scheduler: Any = None,
     ):
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -134,6 +129,8 @@ class Fit:
         self._state = self._layout()
         self._needs_closure = needs_closure(optimizer)
         self._sync: Any = None  # the average over ranks of a call (`_ranks.collective`)
+        self._schedule = None if lr_scheduler is None else Schedule(lr_scheduler, optimizer)
+        self._rows, self._row0 = np.zeros((0, 0)), 0  # `_ahead`
         if self.mode == "fused":
             got = resolve(
                 loss_fn, optimizer, self._rule, self._modules, self._params, model is not None
@@ -146,6 +143,8 @@ class Fit:
         self._evals = _eval.Evaluations(opts, self._modules) if opts.eval_fn else None
         if self._evals is not None and self.mode == "fused" and self._cuda:
             self._fall_back("eval_fn does not run inside the CUDA graphs yet.")
+        if self._schedule is not None and self.mode == "fused" and self._cuda:
+            self._fall_back("lr_scheduler: the CUDA graphs hold the lr as a constant.")
 
     def _layout(self) -> StateLayout:
         """The state layout of the parameters updated (torch skips the others)."""
@@ -194,6 +193,7 @@ class Fit:
             self._fed.pick,
             sync=self._sync,
             evaluate=None if self._evals is None else self._evals.spec(self._cap),
+            rates=0 if capturable else self._cap + self.chunk if self._schedule else 1,
         )
 
     def _compile(
@@ -241,9 +241,10 @@ class Fit:
         program, run = _program.Program(self._body(False), self._compile, dev), _program.run_program
         # n=0: compiles without running a step; nothing changes. Then one step (and an
         # evaluation: due after it) whose results are dropped (`_failure.prove`).
-        run(program, cap, re, 0, 0, prev, params, states, buffers, tuple(batch), rnn)
+        lrs = rates(self.optimizer.param_groups)
+        run(program, cap, re, 0, 0, prev, params, states, buffers, tuple(batch), rnn, lrs)
         due = _eval.inputs(self._evals, self._fed.inputs(0), (self.opts.eval_every or 1) - 1, dev)
-        prove(lambda: run(program, cap, re, 1, 0, prev, params, states, buffers, due, rnn))
+        prove(lambda: run(program, cap, re, 1, 0, prev, params, states, buffers, due, rnn, lrs))
         return program
 
     def _ensure_program(self) -> None:
@@ -257,7 +258,8 @@ class Fit:
         fallback's reason holds the whole error.
         """
         sync = self._sync and self._sync.key
-        key: tuple = (self._hyper_key(), self._fed.key, self._mask, self._training(), sync)
+        hk = self._hyper_key(compiled=True)
+        key: tuple = (hk, self._fed.key, self._mask, self._training(), sync)
         if self._evals is not None:  # a program per eval_batch signature too
             key = (*key, self._evals.key)
         if self._program is not None and self._program_key == key:
@@ -269,15 +271,7 @@ class Fit:
         if self._program_key is not None and self._program_key[3] != key[3]:
             _changes.numbers_changed(self._submodules, self._program_key[3], key[3])
         if self._program_key is not None and self._program_key[0] != key[0]:
-            warnings.warn(
-                "stepfuse.torch: the optimizer's hyper-parameters changed (an lr scheduler, a "
-                "changed param_group): the fused program holds them as constants (a tensor "
-                "lr too: its value), so it is compiled again now. A schedule that changes "
-                "them every call pays a compile every call (the last programs are kept: "
-                "values seen before reuse theirs); mode='stepwise' compiles nothing.",
-                RuntimeWarning,
-                stacklevel=user_stacklevel(),
-            )
+            _changes.hypers_changed(self._program_key[0], key[0])
         params = [p.detach() for p in self._train]
         states = self._state.tensors(placeholder=True)
         prev = torch.tensor(math.nan, dtype=self._loss_dtype, device=params[0].device)
@@ -308,9 +302,10 @@ class Fit:
             self._submodules = _changes.watched(self._modules)
         return _changes.module_numbers(self._submodules)
 
-    def _hyper_key(self) -> tuple:
-        """Every group's hyper-parameters (compiled into the fused program)."""
-        return tuple(tuple(sorted(h.items())) for h in map(hyper, self.optimizer.param_groups))
+    def _hyper_key(self, compiled: bool = False) -> tuple:
+        """Every group's hyper-parameters; ``compiled``: those compiled into the fused
+        program (on the CPU, all but ``lr``: an input, `_rules.rates`)."""
+        return hyper_key(self.optimizer.param_groups, compiled and not self._cuda)
 
     @property
     def _cuda(self) -> bool:
@@ -354,6 +349,7 @@ class Fit:
                 self._probe(self._fed.at(0))  # a step's own arguments (the first minibatch)
                 _ranks.agree_setup(self, n)  # several ranks: the same call on each (`_ranks`)
                 start = self.step
+                self._ahead(n, 0, start)  # (with lr_scheduler: may run stepwise, then no compile)
                 if self.mode == "fused":
                     self._ensure_program()
                 _ranks.agree_mode(self)
@@ -417,6 +413,8 @@ class Fit:
                 p.copy_(v)
             restore(self.optimizer, self._params, new_s)
             self.step += 1
+            if self._schedule is not None:  # optimizer.step(); scheduler.step()
+                self._schedule.advance(1)
 
     def _call_stepwise(self, n: int, start: int) -> Trace:
         with Notifier(self.opts, start, n, "stepfuse.torch") as note:
@@ -434,8 +432,9 @@ class Fit:
 
     # fused: eager first step if the optimizer has no state yet, then program segments ------
 
-    def _segment(self, n: int, i0: int, prev: torch.Tensor) -> _program.Result:
-        """Up to ``n`` steps on the program, from step ``i0`` of the call (`_data.Fed`)."""
+    def _segment(self, n: int, i0: int, prev: torch.Tensor, lrs: Any) -> _program.Result:
+        """Up to ``n`` steps on the program, from step ``i0`` of the call (`_data.Fed`);
+        ``lrs``: each group's lr, or a row of them a step (`_schedule.Schedule.ahead`)."""
         params = [p.detach() for p in self._train]
         states = self._state.tensors(placeholder=False)
         buffers = [b.detach() for b in self._buffers()]
@@ -445,8 +444,33 @@ class Fit:
                 self._program, self.chunk, re, n, i0, prev, params, states, buffers, b
             )
         return _program.run_program(
-            self._program, self._cap, re, n, i0, prev, params, states, buffers, b, self._rnn
+            self._program, self._cap, re, n, i0, prev, params, states, buffers, b, self._rnn, lrs
         )
+
+    def _ahead(self, m: int, i0: int, start: int) -> None:
+        """With ``lr_scheduler``: the lr of each of the call's steps ``i0 .. i0 + m``, read
+        now (`_schedule.Schedule.ahead`); a schedule that changes more than lr runs
+        stepwise (mid-call: the call stops, its updates kept, as `_changes` does)."""
+        if self._schedule is None or self.mode != "fused":
+            return
+        rows = self._schedule.ahead(m)
+        if not isinstance(rows, str):
+            self._rows, self._row0 = rows, i0
+            return
+        self._fall_back(rows)
+        if i0:
+            raise RuntimeError(
+                f"stepfuse.torch: this call stopped after {self.step - start} applied updates "
+                "(kept): the lr_scheduler runs stepwise from here (the warning says why). "
+                "Call again: the next call runs it stepwise."
+            )
+
+    def _lrs(self, i: int, m: int) -> Any:
+        """The lr of each group for the call's steps ``i .. i + m``: a row for the call, or
+        with ``lr_scheduler`` a row a step (`_ahead`)."""
+        if self._schedule is None:
+            return rates(self.optimizer.param_groups)
+        return self._rows[i - self._row0 : i - self._row0 + m]
 
     def _inputs(self, i0: int) -> tuple:
         """The program's batch from the call's step ``i0`` (and the evaluation's inputs)."""
@@ -490,7 +514,7 @@ class Fit:
                 seg = min(n - i, self._cap, self._fed.room(i))  # one epoch's order a segment
                 if notify is not None:  # end the segment where the next notification is due
                     seg = min(seg, next_multiple(self.step, every) - self.step)
-                out = self._segment(seg, i, prev)
+                out = self._segment(seg, i, prev, self._lrs(i, seg))
                 stop, applied = Stop(int(out.code)), int(out.applied)
                 flow = out.carry.flow
                 evaluated = applied + (1 if stop == Stop.NONFINITE else 0)
@@ -503,12 +527,15 @@ class Fit:
                     if out.carry.buffers:
                         put_back(zip(self._buffers(), out.carry.buffers))
                     self.step += applied
+                    if self._schedule is not None:
+                        self._schedule.advance(applied)
                 i += evaluated
                 prev = flow.last
                 if notify is not None and applied and self.step % every == 0:
                     notify(self.step, float(flow.last))
                     if i < n:  # the rest of the call runs what the callback changed
                         _changes.rekey_after_callback(self, start)
+                        self._ahead(n - i, i, start)  # (lr set by hand: the scheduler reads it)
             note.done(self.step - start)
         loss = (
             losses[0] if len(losses) == 1 else np.concatenate(losses or [np.zeros(0, np.float32)])
@@ -525,73 +552,3 @@ class Fit:
 
 FusedFit = Fit
 """The old name of `Fit`."""
-
-
-@shared_doc
-def fuse(
-    loss_fn: Callable[..., torch.Tensor],
-    optimizer: torch.optim.Optimizer,
-    *,
-    steps: int,
-    model: nn.Module | None = None,
-    tol: float | None = None,
-    record_every: int = 1,
-    callback: Callable[[int, float], Any] | None = None,
-    every: int | None = None,
-    progress: bool = False,
-    on_nonfinite: str = "stop",
-    mode: str = "fused",
-    eval_fn: Callable[..., Any] | None = None,
-    eval_every: int | None = None,
-    chunk: int | None = None,
-    clip_grad_norm: float | None = None,
-    clip_grad_value: float | None = None,
-) -> Fit:
-    """Build a fused fit that runs ``steps`` ``torch.optim`` updates per call.
-
-    Args:
-      loss_fn: ``loss_fn(*batch) -> scalar tensor``; it uses the model (e.g. a closure).
-      optimizer: a ``torch.optim.Optimizer`` over the model's parameters. The fused mode
-        runs every ``torch.optim`` optimizer but LBFGS and SparseAdam with
-        torch's own update functions; those, and optimizers from elsewhere, run stepwise
-        with a warning that says why.
-      model: the ``nn.Module`` holding the parameters; found automatically when
-        ``loss_fn`` closes over it (or reads it as a global).
-      {options}
-      chunk: steps per iteration of the compiled loop, i.e. copies of the step in the
-        compiled program (fixed, whatever ``steps`` is). Compile time grows with it, the
-        loop's per-step overhead shrinks, and the steps of the last iteration after the
-        call's end are computed and discarded. None (default): 4 for a tiny step (a few
-        microseconds: the seed's perceptron), 1 otherwise, chosen on the first call by
-        counting one forward pass (``fit.plan`` says which and why; measurements: the
-        docs' torch internals page); 4 on CUDA, whose graphs replay many chunks at once.
-        A ``loss_fn`` that draws random numbers (dropout) runs with ``chunk=1``: every
-        step of a chunk runs its forward pass, so the masked steps after a call's last
-        one would draw masks the plain loop never draws.
-      clip_grad_norm: clip the gradients at each step as ``torch.nn.utils.clip_grad_norm_(
-        params, clip_grad_norm)`` between ``backward()`` and ``step()`` (both modes).
-      clip_grad_value: likewise ``clip_grad_value_(params, clip_grad_value)`` (after the
-        norm's clipping where both are given). None (default): no clipping.
-
-    Returns:
-      A `Fit`; ``trace = fit(*batch, steps=None)``.
-
-    Example:
-      >>> model = torch.nn.Linear(2, 2)
-      >>> def loss_fn(x, y):
-      ...     return torch.nn.functional.cross_entropy(model(x), y)
-      >>> fit = fuse(loss_fn, torch.optim.SGD(model.parameters(), lr=0.01), steps=3)
-      >>> trace = fit(x, y)            # 3 updates, one compiled call
-    """
-    shared = (steps, tol, record_every, callback, every, progress, on_nonfinite, mode)
-    opts = check_options(*shared, _MODES, eval_fn, eval_every)
-    check_arguments(loss_fn, optimizer, model)
-    clip = (
-        check_clip(clip_grad_norm, "clip_grad_norm"),
-        check_clip(clip_grad_value, "clip_grad_value"),
-    )
-    if chunk is not None:
-        chunk = check_int(
-            chunk, "chunk", "Pass the steps per compiled loop iteration, e.g. chunk=4."
-        )
-    return Fit(loss_fn, optimizer, opts, model, chunk, clip)

@@ -151,6 +151,12 @@ class Body(NamedTuple):
     evaluate: Any = None
     """With ``eval_fn``: its `stepfuse.torch._eval.Spec`; the program's ``batch`` then ends
     with the evaluation's inputs (`stepfuse.torch._eval.Evaluations.inputs`)."""
+    rates: int = 0
+    """Rows of the table of each group's ``lr`` the program reads (`Program`'s ``rates``,
+    float64: a Python float's value exactly), so that a new ``lr`` (an lr scheduler's)
+    runs the same compiled program: 1, one row for the call; more, a row a step (an
+    ``lr_scheduler`` stepped inside the call, `stepfuse.torch._schedule`); 0, the ``lr``
+    of ``info`` is compiled in (the CUDA chunk's graphs)."""
 
     def carry(self, flat: Sequence[torch.Tensor]) -> Carry:
         """The named view of a flat carry (`Carry.flat` inverted)."""
@@ -189,10 +195,13 @@ class Body(NamedTuple):
         losses = torch.full((nslots,), math.nan, dtype=prev.dtype, device=dev)
         return Carry(flow, losses, tuple(params), tuple(states), tuple(buffers))
 
-    def make(self, n: Any, i0: Any, base: Any, batch: tuple) -> Callable[..., tuple]:
+    def make(
+        self, n: Any, i0: Any, base: Any, batch: tuple, lrs: Any = None
+    ) -> Callable[..., tuple]:
         """The loop body over a flat carry: ``chunk`` steps. The loop's test has just passed
         for the first, so it runs as it is; each later one is masked, so that a stop
-        mid-chunk (or the call's end) leaves the state of the stepwise loop."""
+        mid-chunk (or the call's end) leaves the state of the stepwise loop. ``lrs``: each
+        group's ``lr`` (with `rates`)."""
         wrapper, names, others, update = self.wrapper, self.names, self.others, self.update
         bnames, ev = self.buffers, self.evaluate
         if ev is not None:  # the evaluation's inputs: the fit's step at the start, eval_batch
@@ -227,7 +236,11 @@ class Body(NamedTuple):
                 grads = clip_grads(list(grads), self.clip_norm, self.clip_value)
                 new_p = [p.clone() for p in ps]  # torch's update works in place: on copies
                 new_s = [s.clone() for s in ss]
-                self._update(update, new_p, new_s, grads)
+                row = lrs
+                if lrs is not None and self.rates > 1:  # this step's row of the table
+                    at = flow.i.clamp(max=self.rates - 1).reshape(1)
+                    row = lrs.index_select(0, at).squeeze(0)
+                self._update(update, new_p, new_s, grads, row)
                 finite = all_finite([loss, *grads, *new_p, *new_s])
                 probe = torch.where(finite, 0.0, math.nan).to(flow.probe.dtype)
                 stepped = loop.advance(flow, loss.to(flow.last.dtype), probe)
@@ -261,13 +274,17 @@ class Body(NamedTuple):
         new_p: list[torch.Tensor],
         new_s: list[torch.Tensor],
         grads: Sequence[torch.Tensor],
+        lrs: Any = None,
     ) -> None:
-        """Run each group's update rule in place on the copies ``new_p`` / ``new_s``."""
+        """Run each group's update rule in place on the copies ``new_p`` / ``new_s``
+        (``lrs``: each group's ``lr``, a 0-dim float64 tensor each, in place of ``info``'s)."""
         j = 0
-        for sl, keys, h in self.info:
+        for gi, (sl, keys, h) in enumerate(self.info):
             m = sl.stop - sl.start
             if m == 0:  # a group whose parameters are all frozen: torch updates none
                 continue
+            if lrs is not None:
+                h = {**h, "lr": lrs[gi]}
             st = {}
             for k in keys:
                 st[k] = new_s[j : j + m]
@@ -358,15 +375,21 @@ def _decompositions() -> dict:
 def build_program(
     spec: Body, compile: Callable[[Callable, str, dict[str, Any]], Callable]
 ) -> Callable:
-    """The compiled program: ``program(ctl, prev, nslots, params, states, buffers, batch)``
-    runs up to ``n`` steps of the call from its step ``i0`` and returns a `Result`, where
-    ``ctl`` holds ``(n, i0, base)`` (int64; ``base``: the loss buffer's first record)."""
+    """The compiled program: ``program(ctl, rates, prev, nslots, params, states, buffers,
+    batch)`` runs up to ``n`` steps of the call from its step ``i0`` and returns a
+    `Result`, where ``ctl`` holds ``(n, i0, base)`` (int64; ``base``: the loss buffer's
+    first record) and ``rates`` each group's ``lr`` (float64; read with `Body.rates`)."""
 
-    def program(ctl, prev, nslots, params, states, buffers, batch):
+    def program(ctl, rates, prev, nslots, params, states, buffers, batch):
         from torch._higher_order_ops.while_loop import while_loop
 
         n, i0, base = (ctl[k].clone() for k in range(3))  # a loop's inputs may not alias
-        body = spec.make(n, i0, base, batch)
+        lrs = None
+        if spec.rates == 1:  # the call's lr: one per group
+            lrs = [rates[0, k].clone() for k in range(len(spec.info))]
+        elif spec.rates > 1:  # a row a step, read in the loop
+            lrs = rates.clone()
+        body = spec.make(n, i0, base, batch, lrs)
         met = spec.met
         start = spec.start(prev, nslots + 1, params, states, buffers)
         if spec.evaluate is not None:
@@ -404,11 +427,12 @@ class Program:
     ~0.2 us) is checked at each call: a call in another state takes ``torch.compile``'s
     path. A graph whose inputs are not all the program's arguments (a tensor ``loss_fn``
     reads from elsewhere) stays on that path for good. Plain Python values ``loss_fn``
-    reads (a float in a closure) are compiled in, as the hyper-parameters are: a fit
-    does not see them change (docs/internals/torch.md).
+    reads (a float in a closure) are compiled in, as the hyper-parameters but ``lr``
+    are: a fit does not see them change (docs/internals/torch.md).
 
     ``ctl`` (``n, i0, base``) is one int64 tensor that every call reuses, written through
-    a NumPy view on the CPU (no torch call a segment)."""
+    a NumPy view on the CPU (no torch call a segment); ``rates`` (each group's ``lr``,
+    float64) likewise: an lr scheduler's new value is the next call's input."""
 
     def __init__(self, spec: Body, compile: Callable[..., Callable], device: torch.device):
         self.spec = spec
@@ -423,6 +447,9 @@ class Program:
         self.state: Any = None  # torch's global state (grad mode, autocast ...) at `bind`
         self.ctl = torch.zeros(3, dtype=torch.int64, device=device)
         self._ctl = self.ctl.numpy() if device.type == "cpu" else None
+        shape = (max(spec.rates, 1), max(len(spec.info), 1))
+        self.rates = torch.zeros(shape, dtype=torch.float64, device=device)
+        self._rates = self.rates.numpy() if device.type == "cpu" else None
 
     def __call__(
         self,
@@ -435,19 +462,28 @@ class Program:
         states: Sequence[torch.Tensor],
         buffers: Sequence[torch.Tensor],
         batch: tuple,
+        lrs: Any = (),
     ) -> Result:
         """Up to ``n`` steps from the call's step ``i0`` (``base``: `loop.record_slot`'s
-        first record, ``nslots`` the loss buffer's size without its spare slot)."""
-        ctl = self.ctl
+        first record, ``nslots`` the loss buffer's size without its spare slot), each
+        group's ``lr`` ``lrs`` (with `Body.rates`)."""
+        ctl, rates = self.ctl, self.rates
         if self._ctl is not None:
             self._ctl[0], self._ctl[1], self._ctl[2] = n, i0, base
         else:
             ctl.copy_(torch.tensor([n, i0, base], dtype=torch.int64))
+        if self.spec.rates:  # a row (each group's lr) or a row a step
+            table = np.asarray(lrs, dtype=np.float64).reshape(-1, rates.shape[1])
+            if self._rates is not None:
+                self._rates[: len(table)] = table
+            else:
+                rates[: len(table)].copy_(torch.from_numpy(table))
         if self.direct is not None and nslots == self.nslots and self.state.check():
-            pool = [ctl, prev, *params, *states, *buffers, *_leaves(batch), *self._others()]
+            pool = [ctl, rates, prev, *params, *states, *buffers, *_leaves(batch)]
+            pool += self._others()
             out = self.direct(*[pool[j] for j in self.take])
             return Result(out[0], out[1], self.spec.carry(out[2:]))
-        args = (ctl, prev, nslots, params, states, buffers, batch)
+        args = (ctl, rates, prev, nslots, params, states, buffers, batch)
         result = self.compiled(*args)
         if self.sink:
             compiled, inputs = self.sink[-1]
@@ -462,8 +498,8 @@ class Program:
     def bind(self, compiled: Callable, inputs: Sequence[Any], args: tuple, result: Result) -> None:
         """Call ``compiled`` directly from now on, if every input it takes is one of the
         program's arguments and it returns what the traced call returned (``result``)."""
-        ctl, prev, nslots, params, states, buffers, batch = args
-        pool = [ctl, prev, *params, *states, *buffers, *_leaves(batch), *self._others()]
+        ctl, rates, prev, nslots, params, states, buffers, batch = args
+        pool = [ctl, rates, prev, *params, *states, *buffers, *_leaves(batch), *self._others()]
         where = {id(t): j for j, t in enumerate(pool) if isinstance(t, torch.Tensor)}
         take = [where.get(id(t), -1) for t in inputs]
         if -1 in take or len(set(take)) != len(take):
@@ -503,9 +539,11 @@ def run_program(
     buffers: Sequence[torch.Tensor],
     batch: tuple,
     rnn: bool = False,
+    lrs: Any = (),
 ) -> Result:
     """One program call: up to ``n`` steps from the call's step ``i0`` (a `Result`);
-    ``rnn``: the modules hold recurrent layers (`traceable`: tracing needs it)."""
+    ``rnn``: the modules hold recurrent layers (`traceable`: tracing needs it); ``lrs``:
+    each group's ``lr``, or a row of them a step (`Body.rates`)."""
     nslots = ceil_div(cap, record_every) + 1
     base = ceil_div(i0, record_every)
     # Without autograd around it: parameters the optimizer does not hold may require grad,
@@ -513,13 +551,13 @@ def run_program(
     try:
         with torch.no_grad():
             if program.direct is not None:  # the compiled code, called directly
-                return program(n, i0, base, prev, nslots, params, states, buffers, batch)
+                return program(n, i0, base, prev, nslots, params, states, buffers, batch, lrs)
             # Through torch.compile (tracing on the first call): recurrent layers made
             # traceable, dropout drawing the plain loop's masks (`stepfuse.torch._draws`).
             with traceable(rnn), exact_draws(), warnings.catch_warnings():
                 # torch's own (inductor imports it): a user's -W error must not stop fusion
                 warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\b")
-                return program(n, i0, base, prev, nslots, params, states, buffers, batch)
+                return program(n, i0, base, prev, nslots, params, states, buffers, batch, lrs)
     except RuntimeError as e:
         if "index out of bounds" not in str(e):
             raise

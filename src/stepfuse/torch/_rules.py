@@ -14,7 +14,7 @@ program applies over its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -33,7 +33,9 @@ __all__ = [
     "check_group",
     "held",
     "hyper",
+    "hyper_key",
     "placeholder",
+    "rates",
     "refusal",
 ]
 
@@ -282,6 +284,21 @@ def hyper(group: dict) -> dict[str, Any]:
             v = tuple(x.item() if isinstance(x, torch.Tensor) else x for x in v)
         out[k] = v
     return out
+
+
+def hyper_key(groups: Sequence[dict], without_lr: bool) -> tuple:
+    """Each group's `hyper` as a sorted tuple of items (``lr`` left out ``without_lr``:
+    the fused program's input, `rates`), for a program's key."""
+    return tuple(
+        tuple(sorted((k, v) for k, v in hyper(g).items() if not (without_lr and k == "lr")))
+        for g in groups
+    )
+
+
+def rates(groups: Sequence[dict]) -> list[float]:
+    """Each group's ``lr`` as it is now (an input of the fused program on the CPU:
+    `stepfuse.torch._program.Body.rates`; a tensor ``lr``: its value)."""
+    return [float(g["lr"]) for g in groups]
 
 
 NOT_FUSED: dict[type, str] = {
