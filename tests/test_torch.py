@@ -1104,22 +1104,26 @@ def test_batches_of_many_shapes_each_get_a_program_past_dynamos_recompile_limit(
     assert_close_lists(params_of(model), params_of(ref_model))
 
 
-def test_fused_dropout_draws_the_masks_of_the_plain_loop_over_calls():
+@pytest.mark.parametrize("scheduled", [False, True])
+def test_fused_dropout_draws_the_masks_of_the_plain_loop_over_calls(scheduled):
     """A call of 6 steps used to run its last chunk's masked steps' forward passes too,
     drawing masks the plain loop never draws: the next calls trained on other masks.
-    (Each update moves the weights by the mask, so the weights count the masks drawn.)"""
+    (Each update moves the weights by the mask, so the weights count the masks drawn.)
+    With an ``lr_scheduler``: the first call's check that the program draws as the plain
+    loop does (a step run and undone) steps no scheduler (it crashed before)."""
     x = torch.ones(1, 16)
 
     def run(fused):
         torch.manual_seed(0)
         model = torch.nn.Linear(16, 1, bias=False)
         opt = torch.optim.SGD(model.parameters(), lr=0.25)
+        lr = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1 / (1 + e)) if scheduled else None
 
         def loss_fn(x):
             return (torch.nn.functional.dropout(x, 0.5, training=True) @ model.weight.T).sum()
 
         torch.manual_seed(42)
-        fit = sf.fuse(loss_fn, opt, steps=6, model=model) if fused else None
+        fit = sf.fuse(loss_fn, opt, steps=6, model=model, lr_scheduler=lr) if fused else None
         for _ in range(3):
             if fused:
                 fit(x)
@@ -1128,14 +1132,18 @@ def test_fused_dropout_draws_the_masks_of_the_plain_loop_over_calls():
                     opt.zero_grad()
                     loss_fn(x).backward()
                     opt.step()
-        return fit, model.weight.detach().clone(), torch.get_rng_state()
+                    if lr is not None:
+                        lr.step()
+        return fit, model.weight.detach().clone(), torch.get_rng_state(), lr
 
-    fit, weight, rng = run(True)
-    _, ref_weight, ref_rng = run(False)
+    fit, weight, rng, lr = run(True)
+    _, ref_weight, ref_rng, ref_lr = run(False)
     assert_fused(fit)
     assert fit.chunk == 1
-    torch.testing.assert_close(weight, ref_weight, rtol=0, atol=0)
+    torch.testing.assert_close(weight, ref_weight, rtol=1e-6 if scheduled else 0, atol=0)
     assert torch.equal(rng, ref_rng)
+    if scheduled:
+        assert lr.last_epoch == ref_lr.last_epoch == 18
 
 
 def test_a_build_that_fails_outside_the_model_is_tried_again_and_a_fallback_shows_the_cause(

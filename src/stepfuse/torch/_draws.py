@@ -219,7 +219,7 @@ def check_draws(fit: Any, batch: tuple) -> bool | str:
                 _, finite, token = fit._propose(batch)
                 if not finite:
                     return False
-                fit._commit(token)
+                fit._commit(token, scheduled=False)  # (undone below: no lr_scheduler step)
                 fit.step -= 1
             start = rng_states(cuda)
             at = hold_buffers(fit._modules)

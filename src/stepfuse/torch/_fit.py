@@ -406,14 +406,15 @@ class Fit:
         fit = (self.loss_fn, self.optimizer, self._params, self._modules, self._clip)
         return _eager.propose(*fit, self._needs_closure, batch, self._sync)
 
-    def _commit(self, token: Any) -> None:
+    def _commit(self, token: Any, scheduled: bool = True) -> None:
+        """Apply a proposed step (``scheduled``: and step the ``lr_scheduler`` after it)."""
         new_p, new_s = token
         with deferred_interrupts(), torch.no_grad():  # parameters, state and step move together
             for p, v in zip(self._params, new_p):
                 p.copy_(v)
             restore(self.optimizer, self._params, new_s)
             self.step += 1
-            if self._schedule is not None:  # optimizer.step(); scheduler.step()
+            if self._schedule is not None and scheduled:  # optimizer.step(); scheduler.step()
                 self._schedule.advance(1)
 
     def _call_stepwise(self, n: int, start: int) -> Trace:
@@ -432,9 +433,8 @@ class Fit:
 
     # fused: eager first step if the optimizer has no state yet, then program segments ------
 
-    def _segment(self, n: int, i0: int, prev: torch.Tensor, lrs: Any) -> _program.Result:
-        """Up to ``n`` steps on the program, from step ``i0`` of the call (`_data.Fed`);
-        ``lrs``: each group's lr, or a row of them a step (`_schedule.Schedule.ahead`)."""
+    def _segment(self, n: int, i0: int, prev: torch.Tensor) -> _program.Result:
+        """Up to ``n`` steps on the program, from step ``i0`` of the call (`_data.Fed`)."""
         params = [p.detach() for p in self._train]
         states = self._state.tensors(placeholder=False)
         buffers = [b.detach() for b in self._buffers()]
@@ -443,6 +443,7 @@ class Fit:
             return _cuda.run_graphs(
                 self._program, self.chunk, re, n, i0, prev, params, states, buffers, b
             )
+        lrs = self._lrs(i0, n)  # each group's lr, or a row of them a step (`_ahead`)
         return _program.run_program(
             self._program, self._cap, re, n, i0, prev, params, states, buffers, b, self._rnn, lrs
         )
@@ -514,7 +515,7 @@ class Fit:
                 seg = min(n - i, self._cap, self._fed.room(i))  # one epoch's order a segment
                 if notify is not None:  # end the segment where the next notification is due
                     seg = min(seg, next_multiple(self.step, every) - self.step)
-                out = self._segment(seg, i, prev, self._lrs(i, seg))
+                out = self._segment(seg, i, prev)
                 stop, applied = Stop(int(out.code)), int(out.applied)
                 flow = out.carry.flow
                 evaluated = applied + (1 if stop == Stop.NONFINITE else 0)
