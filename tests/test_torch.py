@@ -15,7 +15,6 @@ import warnings
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from helpers import slow_params
 from torch_helpers import (
     OPTIMIZERS,
@@ -905,8 +904,8 @@ def test_lr_schedulers_stepped_between_calls_run_one_program_as_the_plain_loop_r
     changes the next call's lr without a compile (each new lr compiled again before: ~45 s a
     call on the 2-core VM); the fit equals the plain loop stepping the same schedulers
     after as many single steps, and the last lr, set by hand, too."""
-    model, optimizer, loss_fn = make("mlp", param_groups=_two_adam_groups)
-    ref_m, ref_o, _ = make("mlp", param_groups=_two_adam_groups)
+    model, optimizer, loss_fn = make("perceptron", param_groups=_two_adam_groups)
+    ref_m, ref_o, _ = make("perceptron", param_groups=_two_adam_groups)
     fit = sf.fuse(loss_fn, optimizer, steps=3, chunk=2)
     schedulers = [_schedulers(o) for o in (optimizer, ref_o)]
     losses, ref = [], []
@@ -937,19 +936,6 @@ def _warmup_then_cosine(optimizer):
     )
 
 
-def _plain_scheduled(model, optimizer, scheduler, n):
-    """The plain loop of a per-batch schedule: ``optimizer.step(); scheduler.step()``."""
-    losses = []
-    for _ in range(n):
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(X), Y)
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.parametrize("mode", ["fused", "stepwise"])
 def test_an_lr_scheduler_given_to_fuse_steps_after_every_update_as_the_plain_loop(mode):
     """``fuse(lr_scheduler=)`` steps the scheduler after each update, inside the call: the
@@ -957,8 +943,8 @@ def test_an_lr_scheduler_given_to_fuse_steps_after_every_update_as_the_plain_loo
     calls of 3, 4 and 2 steps (chunk 2: masked steps) equal the plain loop stepping it
     after each ``optimizer.step()``, losses, parameters, state, the groups' lr and the
     scheduler's own count."""
-    model, optimizer, loss_fn = make("mlp", param_groups=_two_adam_groups)
-    ref_m, ref_o, _ = make("mlp", param_groups=_two_adam_groups)
+    model, optimizer, loss_fn = make("perceptron", param_groups=_two_adam_groups)
+    ref_m, ref_o, _ = make("perceptron", param_groups=_two_adam_groups)
     sched, ref_s = _warmup_then_cosine(optimizer), _warmup_then_cosine(ref_o)
     fit = sf.fuse(loss_fn, optimizer, steps=4, chunk=2, mode=mode, lr_scheduler=sched)
     losses, ref = [], []
@@ -966,7 +952,7 @@ def test_an_lr_scheduler_given_to_fuse_steps_after_every_update_as_the_plain_loo
         warnings.simplefilter("error")
         for n in (3, 4, 2):
             losses.append(fit(X, Y, steps=n).loss)
-            ref += _plain_scheduled(ref_m, ref_o, ref_s, n)
+            ref += list(reference_steps(ref_m, ref_o, n, scheduler=ref_s))
     assert_mode(fit, mode)
     if mode == "fused":
         assert fit.compiles == 1
@@ -984,11 +970,11 @@ def test_an_lr_scheduler_is_stepped_once_per_update_a_call_applied():
     ref_m, ref_o, _ = make("perceptron", "sgd_momentum")
     sched = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5)
     ref_s = torch.optim.lr_scheduler.ExponentialLR(ref_o, gamma=0.5)
-    fit = sf.fuse(loss_fn, optimizer, steps=40, tol=1e-3, lr_scheduler=sched)
+    fit = sf.fuse(loss_fn, optimizer, steps=40, tol=1e-3, chunk=1, lr_scheduler=sched)
     trace = fit(X, Y)
     assert_fused(fit)
     assert trace.stop == Stop.TOL and 1 < trace.steps < 40, (trace.stop, trace.steps)
-    ref = _plain_scheduled(ref_m, ref_o, ref_s, trace.steps)
+    ref = list(reference_steps(ref_m, ref_o, trace.steps, scheduler=ref_s))
     assert sched.last_epoch == ref_s.last_epoch == trace.steps
     assert optimizer.param_groups[0]["lr"] == ref_o.param_groups[0]["lr"]
     np.testing.assert_allclose(trace.loss[: trace.steps], ref, rtol=1e-6)
@@ -1007,7 +993,7 @@ def test_an_lr_scheduler_that_cycles_momentum_runs_stepwise_saying_why():
     with pytest.warns(RuntimeWarning, match="(?s)changes momentum.*cycle_momentum=False"):
         losses = fit(X, Y).loss
     assert fit.mode == "stepwise" and fit.compiles == 0
-    ref = _plain_scheduled(ref_m, ref_o, ref_s, 5)
+    ref = list(reference_steps(ref_m, ref_o, 5, scheduler=ref_s))
     np.testing.assert_allclose(losses, ref, rtol=1e-6)
     assert optimizer.param_groups[0]["momentum"] == ref_o.param_groups[0]["momentum"]
     assert_close_lists(params_of(model), params_of(ref_m))
@@ -1028,10 +1014,11 @@ def test_bad_lr_schedulers_are_refused_naming_the_argument():
 
 
 def _two_adam_groups(model):
-    w1, b1, w2, b2 = model.parameters()
+    """The perceptron's weight and bias in two Adam groups of their own lr (one compile of
+    the perceptron is about half the MLP's)."""
     return torch.optim.Adam, [
-        {"params": [w1, b1], "lr": 0.01},
-        {"params": [w2, b2], "lr": 0.05, "weight_decay": 0.1},
+        {"params": [model.weight], "lr": 0.01},
+        {"params": [model.bias], "lr": 0.05, "weight_decay": 0.1},
     ]
 
 

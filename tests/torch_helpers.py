@@ -75,14 +75,17 @@ def sgd_variants_groups(model):
     ]
 
 
-def reference_steps(model, optimizer, n, x=X, y=Y):
-    """Plain PyTorch: ``n`` times zero_grad / backward / step; returns the losses."""
+def reference_steps(model, optimizer, n, x=X, y=Y, scheduler=None):
+    """Plain PyTorch: ``n`` times zero_grad / backward / step (then ``scheduler.step()``,
+    a per-batch lr schedule, if given); returns the losses."""
     losses = []
     for _ in range(n):
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         losses.append(loss.item())
     return np.asarray(losses)
 
