@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from .._core.options import Described, a_type, fail
+from ._rules import rates
 
 __all__ = ["Schedule", "check_scheduler"]
 
@@ -62,10 +63,6 @@ def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-def _lr_values(groups: list[dict]) -> list[float]:
-    return [float(g["lr"]) for g in groups]
-
-
 def _others(groups: list[dict]) -> list[dict]:
     """Each group's entries but ``lr`` and the parameters (what the program compiles in)."""
     return [
@@ -91,7 +88,7 @@ class Schedule:
         groups = self.optimizer.param_groups
         held = [g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"] for g in groups]
         before = _others(groups)
-        rows = [_lr_values(groups)]
+        rows = [rates(groups)]
         try:
             if m > 1:
                 try:
@@ -106,7 +103,7 @@ class Schedule:
                     warnings.simplefilter("ignore", UserWarning)  # ("before optimizer.step()")
                     for _ in range(m - 1):
                         twin.step()
-                        rows.append(_lr_values(groups))
+                        rows.append(rates(groups))
                         if _others(groups) != before:
                             return self._why(before, _others(groups))
         finally:
